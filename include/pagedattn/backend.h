@@ -1,0 +1,125 @@
+// The backend interface: what every attention implementation (ref, cpu, cuda) provides.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "pagedattn/config.h"
+#include "pagedattn/kv_cache.h"
+#include "pagedattn/metadata.h"
+#include "pagedattn/tensor.h"
+
+namespace pagedattn {
+
+/// What a backend is asked to support: the layer's configuration on a device.
+struct BackendQuery {
+  AttentionConfig config;
+  Device device{};
+};
+
+/// A backend's per-step schedule (built on the host once per step, shared by the layers of a
+/// KV-cache group). Opaque to callers; each backend derives its own.
+class Plan {
+ public:
+  virtual ~Plan() = default;
+  /// Scratch bytes run() needs for this step (the caller provides them as a Workspace).
+  virtual size_t workspace_bytes() const { return 0; }
+};
+
+/// Caller-owned scratch memory on the compute device.
+struct Workspace {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+/// Scatter of new K/V rows into the cache (vLLM's reshape_and_cache_flash).
+struct WriteKVArgs {
+  TensorView key;           ///< [num_kv_tokens, num_kv_heads, head_size], rows >= num_slots
+  TensorView value;         ///< [num_kv_tokens, num_kv_heads, head_size]
+  TensorView slot_mapping;  ///< int64 [num_slots]; token t goes to slot_mapping[t], -1 skips
+  KVCacheView kv_cache;     ///< destination, any layout
+  KVScales scales;          ///< fp8 only: stored = saturate(x / scale)
+  Stream stream;
+};
+
+/// One attention call. The core validates every field against the config before a backend
+/// sees it; backends trust shapes, dtypes and (in checked mode) metadata.
+struct ForwardArgs {
+  TensorView query;      ///< [num_tokens, num_heads, head_size], config.dtype
+  TensorView key;        ///< encoder types only: [num_tokens, num_kv_heads, head_size]
+  TensorView value;      ///< encoder types only: [num_tokens, num_kv_heads, head_size]
+  KVCacheView kv_cache;  ///< decoder / encoder_decoder: read every key from here
+  KVScales scales;
+  const AttentionMetadata* metadata = nullptr;
+  TensorView output;  ///< [num_tokens, num_heads, head_size]; rows [0, T_a) are written
+  TensorView lse;     ///< optional float32 [num_heads, num_tokens]: natural-log LSE
+  const Plan* plan = nullptr;
+  Workspace workspace;
+  Stream stream;
+};
+
+/// Merge of two partial attention results over disjoint key sets (spec 4.12).
+struct MergeArgs {
+  TensorView prefix_output;  ///< [num_tokens, num_heads, head_size]
+  TensorView prefix_lse;     ///< float32 [num_heads, num_tokens]
+  TensorView suffix_output;  ///< [num_tokens, num_heads, head_size]
+  TensorView suffix_lse;     ///< float32 [num_heads, num_tokens]
+  TensorView output;         ///< [num_tokens, num_heads, head_size]
+  TensorView output_lse;     ///< optional float32 [num_heads, num_tokens]
+  Stream stream;
+};
+
+/// One layer's attention implementation, built by Backend::make_impl for a fixed config.
+class AttentionImpl {
+ public:
+  virtual ~AttentionImpl() = default;
+  /// Scatters new K/V into the cache. Tokens with slot -1 are skipped.
+  virtual void write_kv(const WriteKVArgs& args) = 0;
+  /// Attention only: reads K/V from the cache (or args.key/value for encoder types).
+  virtual void forward(const ForwardArgs& args) = 0;
+};
+
+/// A family of kernels behind one name. Stateless apart from what it caches per device.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  /// Registry name ("ref", "cpu", "cuda").
+  virtual std::string_view name() const = 0;
+  /// One line for `pagedattn backends`.
+  virtual std::string_view description() const = 0;
+  /// Why this backend cannot serve `query` (empty = supported). Each reason is a sentence a
+  /// user can act on, e.g. "head_size 80 not in {64, 128, 256}".
+  virtual std::vector<std::string> check(const BackendQuery& query) const = 0;
+  /// Builds the per-layer implementation. Precondition: check() returned no reasons.
+  virtual std::unique_ptr<AttentionImpl> make_impl(const AttentionConfig& config,
+                                                   Device device) const = 0;
+  /// Builds a step's schedule for layers shaped like `config`. Default: an empty plan.
+  virtual std::unique_ptr<Plan> plan(const AttentionMetadata& metadata,
+                                     const AttentionConfig& config) const;
+  /// Optional: merges two partial results. Default throws NotSupported.
+  virtual void merge_states(const MergeArgs& args) const;
+  /// Optional: max |x| over a floating tensor on `device` (for scale calibration).
+  /// Default: host tensors only.
+  virtual float amax(const TensorView& x) const;
+};
+
+}  // namespace pagedattn
+
+namespace pagedattn {
+
+/// Checks a forward call against its layer config before any backend runs it: shapes, dtypes,
+/// devices, the cache geometry and (for host-visible metadata) the metadata itself. Throws
+/// InvalidArgument naming the argument and the bound.
+/// `check_metadata` = false skips validate_metadata (done once per step and cache by the layer).
+void check_forward_args(const AttentionConfig& config, const ForwardArgs& args,
+                        bool check_metadata = true);
+/// Checks a write_kv call against its layer config (shapes, dtypes and, when `check_slots` and
+/// the slots are host-visible, every slot inside the cache or -1).
+void check_write_kv_args(const AttentionConfig& config, const WriteKVArgs& args,
+                         bool check_slots = true);
+/// Checks a merge call (matching shapes, float32 LSEs).
+void check_merge_args(const MergeArgs& args);
+
+}  // namespace pagedattn

@@ -1,0 +1,69 @@
+// One layer's paged KV cache: storage, the K and V views, and the scales of an fp8 cache.
+#pragma once
+
+#include <cstdint>
+
+#include "pagedattn/config.h"
+#include "pagedattn/tensor.h"
+
+namespace pagedattn {
+
+/// The K and V halves of a paged cache, each [num_blocks, block_size, num_kv_heads, head_size]
+/// with arbitrary strides. Element (block b, offset o, head h, dim d) of K is at
+///   key.data + b*key.stride(0) + o*key.stride(1) + h*key.stride(2) + d*key.stride(3)
+/// and likewise for V. A token's slot is b * block_size + o. The head dimension is always
+/// contiguous (stride(3) == 1); NHD has stride(1) = num_kv_heads*head_size, HND has
+/// stride(2) = block_size*head_size. fp8 caches are kFp8E4M3 / kFp8E5M2 (or uint8 bytes seen
+/// through the cache dtype).
+struct KVCacheView {
+  TensorView key;    ///< [num_blocks, block_size, num_kv_heads, head_size]
+  TensorView value;  ///< [num_blocks, block_size, num_kv_heads, head_size]
+
+  bool defined() const { return key.defined(); }
+  int64_t num_blocks() const { return key.size(0); }
+  int block_size() const { return int(key.size(1)); }
+  int num_kv_heads() const { return int(key.size(2)); }
+  int head_size() const { return int(key.size(3)); }
+  DType dtype() const { return key.dtype; }
+  Device device() const { return key.device; }
+
+  /// Splits a combined cache tensor [num_blocks, 2, block_size, num_kv_heads, head_size]
+  /// (any strides) into its K and V views.
+  static KVCacheView from_combined(const TensorView& kv);
+};
+
+/// Per-tensor scales of an fp8 cache: stored = saturate(x / scale), read = stored * scale.
+/// Ignored by non-fp8 caches.
+struct KVScales {
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
+};
+
+/// An owning cache: one storage of num_blocks pages, viewed in the requested layout.
+class KVCache {
+ public:
+  KVCache() = default;
+  /// Allocates (zero-filled) [num_blocks, 2, block_size, num_kv_heads, head_size] of `dtype`
+  /// in `layout` on `device`.
+  static KVCache allocate(int64_t num_blocks, int block_size, int num_kv_heads, int head_size,
+                          DType dtype, KVCacheLayout layout, Device device = {});
+  /// A cache for `config` with `num_blocks` blocks.
+  static KVCache allocate(const AttentionConfig& config, int64_t num_blocks, Device device = {});
+
+  /// The logical [num_blocks, 2, block_size, num_kv_heads, head_size] view (strided for HND).
+  const TensorView& tensor() const { return combined_; }
+  KVCacheView view() const { return KVCacheView::from_combined(combined_); }
+  KVCacheLayout layout() const { return layout_; }
+  const Tensor& storage() const { return storage_; }
+  bool defined() const { return storage_.defined(); }
+
+ private:
+  Tensor storage_;
+  TensorView combined_;
+  KVCacheLayout layout_ = KVCacheLayout::kNHD;
+};
+
+/// The layout a cache view's strides describe (HND when the head stride is not head_size).
+KVCacheLayout layout_of(const KVCacheView& cache);
+
+}  // namespace pagedattn

@@ -1,0 +1,116 @@
+// The Attention layer: vLLM's Attention module for C++ engines.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "pagedattn/backend.h"
+#include "pagedattn/config.h"
+#include "pagedattn/forward_context.h"
+#include "pagedattn/kv_cache.h"
+#include "pagedattn/kv_cache_spec.h"
+#include "pagedattn/registry.h"
+
+namespace pagedattn {
+
+/// vLLM's CacheConfig fields that the layer reads.
+struct CacheConfig {
+  KVCacheDType cache_dtype = KVCacheDType::kAuto;
+  int block_size = 16;
+  bool calculate_kv_scales = false;   ///< calibrate k/v/q scales on the first real batch
+  std::optional<int> sliding_window;  ///< model-level default window
+  KVCacheLayout layout = KVCacheLayout::kNHD;
+};
+
+/// vLLM's Attention.__init__ parameters (C++ has no keyword arguments, so a struct).
+struct AttentionOptions {
+  int num_heads = 0;
+  int head_size = 0;
+  float scale = 0.0f;
+  std::optional<int> num_kv_heads;          ///< unset = num_heads
+  std::vector<float> alibi_slopes;          ///< empty = no ALiBi, else [num_heads]
+  std::optional<CacheConfig> cache_config;  ///< unset: auto dtype, block size 16
+  std::optional<float> logits_soft_cap;
+  std::optional<int> per_layer_sliding_window;  ///< overrides cache_config.sliding_window
+  std::string prefix;                           ///< unique layer name
+  AttentionType attn_type = AttentionType::kDecoder;
+  std::optional<std::string> kv_sharing_target_layer_name;
+  std::optional<std::string> attn_backend;  ///< force a backend by name
+  std::vector<float> sinks;                 ///< empty = none, else [num_heads]
+  DType dtype = DType::kBF16;               ///< model activation dtype
+  Device device{};
+  /// The checkpoint carries k/v/q scales (vLLM's quant_config with a KV-cache method); they
+  /// start at -1 ("absent") until load_kv_scales().
+  bool has_checkpoint_kv_scales = false;
+};
+
+class Attention {
+ public:
+  /// Resolves the window and cache settings, validates, selects a backend (explaining any
+  /// refusal), registers under `options.prefix` in `context` and validates KV sharing.
+  Attention(ForwardContext& context, const AttentionOptions& options,
+            const Registry& registry = default_registry());
+  ~Attention();
+  Attention(const Attention&) = delete;
+  Attention& operator=(const Attention&) = delete;
+
+  const std::string& name() const { return name_; }
+  const AttentionConfig& config() const { return config_; }
+  const Backend& backend() const { return *backend_; }
+  bool calculate_kv_scales() const { return calculate_kv_scales_; }
+  /// "head_size=..., num_heads=..., num_kv_heads=..., scale=..., backend=..."
+  std::string extra_repr() const;
+
+  /// The cache this layer needs (none for encoder-only layers and KV-sharing consumers).
+  std::optional<KVCacheSpec> get_kv_cache_spec() const;
+  const std::optional<std::string>& kv_sharing_target() const { return kv_sharing_target_; }
+
+  /// Binds one cache per virtual engine (pipeline_parallel_size of them) and the KV-cache
+  /// group whose metadata this layer reads. Consumers of KV sharing bind nothing: they use
+  /// their target's caches and group.
+  void bind_kv_cache(std::vector<KVCacheView> caches, int kv_cache_group = 0);
+  /// The bound cache for the context's current virtual engine (the target's for a consumer).
+  KVCacheView kv_cache() const;
+  int kv_cache_group() const;
+
+  /// Scales as loaded or calibrated. Start at 1.0.
+  float q_scale() const { return q_scale_; }
+  float k_scale() const { return k_scale_; }
+  float v_scale() const { return v_scale_; }
+  KVScales kv_scales() const { return {k_scale_, v_scale_}; }
+  /// Checkpoint scales after weight loading (vLLM's process_weights_after_loading for the KV
+  /// quant method): a negative value means "not in the checkpoint".
+  void load_kv_scales(float q_scale, float k_scale, float v_scale);
+  /// Warnings raised while loading scales (vLLM logs them).
+  const std::vector<std::string>& warnings() const { return warnings_; }
+
+  /// Output-buffer mode: query [T, num_heads*head_size] or [T, num_heads, head_size]; key and
+  /// value [T_kv, num_kv_heads*head_size] (or 3-D) or undefined views (None); output like
+  /// query. Writes rows [0, T_a); optional lse float32 [num_heads, T].
+  void forward(const TensorView& query, const TensorView& key, const TensorView& value,
+               const TensorView& output, const TensorView& lse = {});
+  /// Allocating mode: returns output [T, num_heads*head_size] in the query dtype.
+  Tensor forward(const TensorView& query, const TensorView& key, const TensorView& value);
+
+ private:
+  void calibrate_scales(const TensorView& q, const TensorView& k, const TensorView& v);
+  const Attention& cache_owner() const;
+
+  ForwardContext& context_;
+  std::string name_;
+  AttentionConfig config_;
+  Device device_;
+  const Backend* backend_ = nullptr;
+  std::unique_ptr<AttentionImpl> impl_;
+  std::optional<std::string> kv_sharing_target_;
+  std::vector<KVCacheView> kv_caches_;
+  int kv_cache_group_ = 0;
+  bool calculate_kv_scales_ = false;
+  bool has_checkpoint_scales_ = false;
+  float q_scale_ = 1.0f, k_scale_ = 1.0f, v_scale_ = 1.0f;
+  std::vector<std::string> warnings_;
+};
+
+}  // namespace pagedattn

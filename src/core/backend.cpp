@@ -1,0 +1,168 @@
+// Backend defaults and the argument checks that run before any backend sees a call.
+#include "pagedattn/backend.h"
+
+#include <cmath>
+
+#include "pagedattn/error.h"
+
+namespace pagedattn {
+
+using detail::fail;
+using detail::require;
+
+std::unique_ptr<Plan> Backend::plan(const AttentionMetadata&, const AttentionConfig&) const {
+  return std::make_unique<Plan>();
+}
+
+void Backend::merge_states(const MergeArgs&) const {
+  fail<NotSupported>("backend '", name(), "' does not implement merge_states");
+}
+
+float Backend::amax(const TensorView& x) const {
+  fail<NotSupported>("backend '", name(), "' cannot compute amax of ", describe(x));
+}
+
+namespace {
+
+// Requires `v` to be [dims...] (-1 = any) of `dtype` on `device`, with a contiguous last dim.
+void require_tensor(const TensorView& v, std::string_view name, std::initializer_list<int64_t> dims,
+                    DType dtype, Device device, std::string_view dims_text) {
+  require(v.defined(), name, " is required");
+  bool ok = v.ndim == int(dims.size());
+  int d = 0;
+  for (int64_t want : dims) {
+    if (ok && want >= 0 && v.size(d) != want) ok = false;
+    ++d;
+  }
+  require(ok, name, " must be ", dims_text, "; got ", describe(v));
+  require(v.dtype == dtype, name, " must be ", dtype_name(dtype), "; got ", describe(v));
+  require(v.device == device, name, " is on ", to_string(v.device), "; expected ",
+          to_string(device));
+  require(v.numel() == 0 || v.stride(v.ndim - 1) == 1, name,
+          " must be contiguous in its last dimension; its stride there is ", v.stride(v.ndim - 1));
+}
+
+void require_cache(const AttentionConfig& cfg, const KVCacheView& c, Device device) {
+  const std::string dims =
+      detail::cat("[num_blocks, block_size=", cfg.block_size, ", num_kv_heads=", cfg.num_kv_heads,
+                  ", head_size=", cfg.head_size, "]");
+  const DType dtype = cfg.cache_dtype();
+  require(c.key.defined() && c.value.defined(), "kv_cache is required for ",
+          to_string(cfg.attn_type), " attention");
+  for (const auto& [view, name] : {std::pair{c.key, "kv_cache.key"}, {c.value, "kv_cache.value"}}) {
+    require_tensor(view, name, {-1, cfg.block_size, cfg.num_kv_heads, cfg.head_size}, dtype, device,
+                   dims);
+  }
+  require(c.key.size(0) == c.value.size(0), "kv_cache.key has ", c.key.size(0),
+          " blocks but kv_cache.value has ", c.value.size(0));
+  require(c.key.size(0) > 0, "kv_cache has no blocks");
+}
+
+}  // namespace
+
+void check_forward_args(const AttentionConfig& cfg, const ForwardArgs& a, bool check_metadata) {
+  require(a.metadata != nullptr, "metadata is required (a profiling step never reaches a backend)");
+  const AttentionMetadata& md = *a.metadata;
+  const Device device = a.query.device;
+  const std::string q_dims =
+      detail::cat("[num_tokens, num_heads=", cfg.num_heads, ", head_size=", cfg.head_size, "]");
+  require_tensor(a.query, "query", {-1, cfg.num_heads, cfg.head_size}, cfg.dtype, device, q_dims);
+  const int64_t num_tokens = a.query.size(0);
+  require(md.num_actual_tokens <= num_tokens, "metadata.num_actual_tokens (", md.num_actual_tokens,
+          ") exceeds the query's ", num_tokens, " rows");
+  require(a.output.defined(), "output is required");
+  require(a.output.ndim == 3 && a.output.size(0) >= md.num_actual_tokens &&
+              a.output.size(1) == cfg.num_heads && a.output.size(2) == cfg.head_size,
+          "output must be [>= num_actual_tokens (", md.num_actual_tokens,
+          "), num_heads=", cfg.num_heads, ", head_size=", cfg.head_size, "]; got ",
+          describe(a.output));
+  require(is_floating(a.output.dtype) && !is_fp8(a.output.dtype),
+          "output must be a float type; got ", describe(a.output));
+  require(a.output.device == device, "output is on ", to_string(a.output.device), "; expected ",
+          to_string(device));
+  require(a.output.stride(2) == 1, "output must be contiguous in its last dimension");
+  if (a.lse.defined()) {
+    require(
+        a.lse.ndim == 2 && a.lse.size(0) == cfg.num_heads && a.lse.size(1) >= md.num_actual_tokens,
+        "lse must be [num_heads=", cfg.num_heads, ", >= num_actual_tokens (", md.num_actual_tokens,
+        ")]; got ", describe(a.lse));
+    require(a.lse.dtype == DType::kF32 || a.lse.dtype == DType::kF64, "lse must be float32; got ",
+            describe(a.lse));
+    require(a.lse.device == device, "lse is on ", to_string(a.lse.device), "; expected ",
+            to_string(device));
+  }
+  CacheGeometry geometry;
+  if (uses_kv_cache(cfg.attn_type)) {
+    require_cache(cfg, a.kv_cache, device);
+    geometry = {a.kv_cache.num_blocks(), a.kv_cache.block_size()};
+  } else {
+    const std::string kv_dims = detail::cat("[num_tokens, num_kv_heads=", cfg.num_kv_heads,
+                                            ", head_size=", cfg.head_size, "]");
+    require_tensor(a.key, "key", {-1, cfg.num_kv_heads, cfg.head_size}, cfg.dtype, device, kv_dims);
+    require_tensor(a.value, "value", {-1, cfg.num_kv_heads, cfg.head_size}, cfg.dtype, device,
+                   kv_dims);
+    require(a.key.size(0) >= md.num_actual_tokens && a.value.size(0) >= md.num_actual_tokens,
+            "key and value need num_actual_tokens (", md.num_actual_tokens, ") rows for ",
+            to_string(cfg.attn_type), " attention; got ", a.key.size(0), " and ", a.value.size(0));
+  }
+  if (check_metadata) validate_metadata(md, cfg.attn_type, geometry);
+}
+
+void check_write_kv_args(const AttentionConfig& cfg, const WriteKVArgs& a, bool check_slots) {
+  require(uses_kv_cache(cfg.attn_type), to_string(cfg.attn_type),
+          " attention has no KV cache to write");
+  const Device device = a.kv_cache.key.device;
+  require_cache(cfg, a.kv_cache, device);
+  const std::string kv_dims = detail::cat("[num_tokens, num_kv_heads=", cfg.num_kv_heads,
+                                          ", head_size=", cfg.head_size, "]");
+  require_tensor(a.key, "key", {-1, cfg.num_kv_heads, cfg.head_size}, cfg.dtype, device, kv_dims);
+  require_tensor(a.value, "value", {-1, cfg.num_kv_heads, cfg.head_size}, cfg.dtype, device,
+                 kv_dims);
+  require_tensor(a.slot_mapping, "slot_mapping", {-1}, DType::kI64, device, "[num_slots]");
+  const int64_t num_slots = a.slot_mapping.size(0);
+  require(a.key.size(0) >= num_slots && a.value.size(0) >= num_slots, "key and value have ",
+          a.key.size(0), " and ", a.value.size(0), " rows; slot_mapping writes ", num_slots);
+  if (is_fp8(cfg.kv_cache_dtype)) {
+    for (const auto& [s, name] :
+         {std::pair{a.scales.k_scale, "k_scale"}, {a.scales.v_scale, "v_scale"}}) {
+      require(std::isfinite(s) && s > 0.0f, name, " (", s, ") must be finite and > 0");
+    }
+  }
+  if (!check_slots || !a.slot_mapping.device.is_cpu()) return;  // device slots: see checked mode
+  const int64_t capacity = a.kv_cache.num_blocks() * a.kv_cache.block_size();
+  for (int64_t t = 0; t < num_slots; ++t) {
+    const int64_t slot =
+        static_cast<const int64_t*>(a.slot_mapping.data)[t * a.slot_mapping.stride(0)];
+    require(slot == -1 || (slot >= 0 && slot < capacity), "slot_mapping[", t, "] (", slot,
+            ") is outside the cache's slots [0, ", capacity, ") and not -1");
+  }
+}
+
+void check_merge_args(const MergeArgs& a) {
+  const TensorView& o = a.output;
+  require(o.defined() && o.ndim == 3, "output must be [num_tokens, num_heads, head_size]; got ",
+          describe(o));
+  const int64_t n = o.size(0), h = o.size(1), d = o.size(2);
+  for (const auto& [v, name] :
+       {std::pair{a.prefix_output, "prefix_output"}, {a.suffix_output, "suffix_output"}}) {
+    require(v.defined() && v.ndim == 3 && v.size(0) == n && v.size(1) == h && v.size(2) == d, name,
+            " must match output ", shape_string(o), "; got ", describe(v));
+    require(v.dtype == o.dtype, name, " is ", dtype_name(v.dtype), "; output is ",
+            dtype_name(o.dtype));
+    require(v.device == o.device, name, " is on ", to_string(v.device), "; output on ",
+            to_string(o.device));
+  }
+  for (const auto& [v, name] : {std::pair{a.prefix_lse, "prefix_lse"},
+                                {a.suffix_lse, "suffix_lse"},
+                                {a.output_lse, "output_lse"}}) {
+    if (!v.defined() && std::string_view(name) == "output_lse") continue;
+    require(v.defined() && v.ndim == 2 && v.size(0) == h && v.size(1) >= n, name,
+            " must be float32 [num_heads=", h, ", num_tokens=", n, "]; got ", describe(v));
+    require(v.dtype == DType::kF32 || v.dtype == DType::kF64, name, " must be float32; got ",
+            describe(v));
+    require(v.device == o.device, name, " is on ", to_string(v.device), "; output on ",
+            to_string(o.device));
+  }
+}
+
+}  // namespace pagedattn
