@@ -36,9 +36,11 @@ struct AttentionMetadata {
 
 /// One request of a step, as a scheduler sees it.
 struct RequestSpec {
-  int context_len = 0;             ///< tokens already in the cache (computed or prefix hit)
-  int num_new_tokens = 0;          ///< query tokens this step (0 = a padding request)
-  std::vector<int32_t> block_ids;  ///< physical blocks in logical order, >= ceil(seq_len / bs)
+  int context_len = 0;     ///< tokens already in the cache (computed or prefix hit)
+  int num_new_tokens = 0;  ///< query tokens this step (0 = a padding request)
+  /// Physical blocks in logical order, >= ceil(seq_len / bs); empty for a layer without a
+  /// cache (encoder types), whose slots are then -1.
+  std::vector<int32_t> block_ids;
 };
 
 /// Host-owned metadata built from a list of requests; view() gives the AttentionMetadata.

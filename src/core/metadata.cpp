@@ -61,9 +61,11 @@ MetadataBuilder& MetadataBuilder::add(const RequestSpec& request) {
   require(request.num_new_tokens >= 0, "request ", r, ": num_new_tokens (", request.num_new_tokens,
           ") must be >= 0");
   const int64_t seq_len = int64_t(request.context_len) + request.num_new_tokens;
-  require(int64_t(request.block_ids.size()) >= ceil_div(seq_len, block_size_), "request ", r, ": ",
-          request.block_ids.size(), " block ids cannot hold seq_len ", seq_len, " at block_size ",
-          block_size_, " (needs ", ceil_div(seq_len, block_size_), ")");
+  // No block ids at all: a request of a cacheless (encoder) layer; its slots are -1.
+  require(request.block_ids.empty() ||
+              int64_t(request.block_ids.size()) >= ceil_div(seq_len, block_size_),
+          "request ", r, ": ", request.block_ids.size(), " block ids cannot hold seq_len ", seq_len,
+          " at block_size ", block_size_, " (needs ", ceil_div(seq_len, block_size_), ")");
   requests_.push_back(request);
   return *this;
 }
@@ -107,8 +109,10 @@ StepMetadata MetadataBuilder::build() const {
     }
     for (int i = 0; i < r.num_new_tokens; ++i) {
       const int pos = r.context_len + i;
-      s.slot_mapping.push_back(int64_t(r.block_ids[size_t(pos / block_size_)]) * block_size_ +
-                               pos % block_size_);
+      s.slot_mapping.push_back(r.block_ids.empty()
+                                   ? -1
+                                   : int64_t(r.block_ids[size_t(pos / block_size_)]) * block_size_ +
+                                         pos % block_size_);
     }
   }
   s.max_seq_len = std::max(s.max_seq_len, min_max_seq_len_);

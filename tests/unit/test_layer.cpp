@@ -1,0 +1,358 @@
+// The Attention layer and its ForwardContext: construction (spec 1.2), KV sharing (7.5),
+// cache specs (1.9), binding per virtual engine, forward in both output modes, profiling runs
+// and k/v scales (1.7).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "common/expect_error.h"
+#include "pagedattn/error.h"
+#include "pagedattn/layer.h"
+
+namespace pagedattn {
+namespace {
+
+AttentionOptions options(std::string prefix, int num_heads = 4, std::optional<int> kv = 2) {
+  AttentionOptions o;
+  o.num_heads = num_heads;
+  o.num_kv_heads = kv;
+  o.head_size = 8;
+  o.scale = 0.35f;
+  o.prefix = std::move(prefix);
+  o.dtype = DType::kF32;
+  o.cache_config = CacheConfig{};
+  o.cache_config->block_size = 4;
+  return o;
+}
+
+std::vector<float> random_values(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist;
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+TEST(AttentionLayer, ResolvesDefaults) {
+  ForwardContext ctx;
+  AttentionOptions o = options("model.layers.0.attn", 4, std::nullopt);
+  o.cache_config.reset();
+  Attention layer(ctx, o);
+  EXPECT_EQ(layer.config().num_kv_heads, 4);
+  EXPECT_EQ(layer.config().block_size, 16);
+  EXPECT_EQ(layer.config().kv_cache_dtype, KVCacheDType::kAuto);
+  EXPECT_FALSE(layer.calculate_kv_scales());
+  EXPECT_EQ(layer.extra_repr(),
+            "head_size=8, num_heads=4, num_kv_heads=4, scale=0.35, backend=ref");
+  EXPECT_EQ(ctx.layer("model.layers.0.attn"), &layer);
+}
+
+TEST(AttentionLayer, PerLayerWindowOverridesTheModelDefault) {
+  ForwardContext ctx;
+  AttentionOptions o = options("l.0");
+  o.cache_config->sliding_window = 4096;
+  Attention a(ctx, o);
+  EXPECT_EQ(a.config().sliding_window, 4096);
+  o.prefix = "l.1";
+  o.per_layer_sliding_window = 128;
+  Attention b(ctx, o);
+  EXPECT_EQ(b.config().sliding_window, 128);
+}
+
+TEST(AttentionLayer, ValidatesHeads) {
+  ForwardContext ctx;
+  EXPECT_ERROR(Attention(ctx, options("l.0", 6, 4)), InvalidArgument,
+               "num_heads (6) is not divisible by num_kv_heads (4)");
+  EXPECT_TRUE(ctx.layer_names().empty());
+}
+
+TEST(AttentionLayer, DuplicateNamesRejected) {
+  ForwardContext ctx;
+  Attention a(ctx, options("model.layers.0.attn"));
+  EXPECT_ERROR(Attention(ctx, options("model.layers.0.attn")), InvalidArgument,
+               "Duplicate layer name: model.layers.0.attn");
+  EXPECT_EQ(ctx.layer_names().size(), 1u);
+}
+
+TEST(AttentionLayer, DestructionUnregisters) {
+  ForwardContext ctx;
+  { Attention a(ctx, options("l.0")); }
+  EXPECT_EQ(ctx.layer("l.0"), nullptr);
+  EXPECT_NO_THROW(Attention(ctx, options("l.0")));
+}
+
+TEST(AttentionLayer, Fp8NeedsACache) {
+  ForwardContext ctx;
+  AttentionOptions o = options("l.0");
+  o.attn_type = AttentionType::kEncoderOnly;
+  o.cache_config->cache_dtype = KVCacheDType::kFp8;
+  EXPECT_ERROR(Attention(ctx, o), InvalidArgument,
+               "kv_cache_dtype fp8: quantization is not supported for encoder_only attention");
+}
+
+TEST(AttentionLayer, E5m2RejectsCheckpointScales) {
+  ForwardContext ctx;
+  AttentionOptions o = options("l.0");
+  o.cache_config->cache_dtype = KVCacheDType::kFp8E5M2;
+  o.has_checkpoint_kv_scales = true;
+  EXPECT_ERROR(Attention(ctx, o), InvalidArgument,
+               "fp8_e5m2 kv-cache is not supported with fp8 checkpoints.");
+}
+
+TEST(AttentionLayer, BackendOverrideByName) {
+  ForwardContext ctx;
+  AttentionOptions o = options("l.0");
+  o.attn_backend = "no_such_backend";
+  EXPECT_ERROR(Attention(ctx, o), InvalidArgument,
+               "backend 'no_such_backend' is not a registered backend; valid backends: ref");
+  o.attn_backend = "ref";
+  Attention a(ctx, o);
+  EXPECT_EQ(a.backend().name(), "ref");
+}
+
+TEST(KVSharing, TargetMustDiffer) {
+  ForwardContext ctx;
+  AttentionOptions o = options("model.layers.1.attn");
+  o.kv_sharing_target_layer_name = "model.layers.1.attn";
+  EXPECT_ERROR(Attention(ctx, o), InvalidArgument,
+               "Specified KV sharing target layer for model.layers.1.attn is not valid: target "
+               "layer model.layers.1.attn cannot be the same as the current layer.");
+  EXPECT_TRUE(ctx.layer_names().empty());
+}
+
+TEST(KVSharing, TargetMustComeFirst) {
+  ForwardContext ctx;
+  AttentionOptions o = options("model.layers.1.attn");
+  o.kv_sharing_target_layer_name = "model.layers.2.attn";
+  EXPECT_ERROR(Attention(ctx, o), InvalidArgument,
+               "target layer model.layers.2.attn must come before the current layer.");
+}
+
+TEST(KVSharing, TargetMustExist) {
+  ForwardContext ctx;
+  AttentionOptions o = options("model.layers.3.attn");
+  o.kv_sharing_target_layer_name = "model.layers.0.attn";
+  EXPECT_ERROR(Attention(ctx, o), InvalidArgument,
+               "target layer model.layers.0.attn is not a valid Attention layer in the model.");
+}
+
+TEST(KVSharing, TargetMustHaveTheSameType) {
+  ForwardContext ctx;
+  AttentionOptions t = options("model.layers.0.attn");
+  t.attn_type = AttentionType::kEncoderDecoder;
+  Attention target(ctx, t);
+  AttentionOptions o = options("model.layers.1.attn");
+  o.kv_sharing_target_layer_name = "model.layers.0.attn";
+  EXPECT_ERROR(Attention(ctx, o), InvalidArgument,
+               "must be the same type as the current layer (decoder).");
+}
+
+TEST(CacheSpec, PerAttentionType) {
+  ForwardContext ctx;
+  Attention full(ctx, options("l.0"));
+  const auto f = full.get_kv_cache_spec();
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(f->kind, KVCacheSpecKind::kFullAttention);
+  EXPECT_EQ(f->page_size_bytes(), 2 * 4 * 2 * 8 * 4);
+  AttentionOptions o = options("l.1");
+  o.per_layer_sliding_window = 16;
+  Attention swa(ctx, o);
+  EXPECT_EQ(swa.get_kv_cache_spec()->kind, KVCacheSpecKind::kSlidingWindow);
+  EXPECT_EQ(swa.get_kv_cache_spec()->sliding_window, 16);
+  o = options("l.2");
+  o.attn_type = AttentionType::kEncoderOnly;
+  EXPECT_FALSE(Attention(ctx, o).get_kv_cache_spec().has_value());
+  o = options("l.3");
+  o.attn_type = AttentionType::kEncoderDecoder;
+  EXPECT_EQ(Attention(ctx, o).get_kv_cache_spec()->kind, KVCacheSpecKind::kCrossAttention);
+  o = options("l.4");
+  o.kv_sharing_target_layer_name = "l.0";
+  EXPECT_FALSE(Attention(ctx, o).get_kv_cache_spec().has_value());
+}
+
+TEST(CacheBinding, OnePerVirtualEngine) {
+  ForwardContext ctx(2);
+  Attention a(ctx, options("l.0"));
+  KVCache c = KVCache::allocate(a.config(), 4);
+  EXPECT_ERROR(a.bind_kv_cache({c.view()}), InvalidArgument,
+               "layer l.0: got 1 KV caches; expected one per virtual engine (2)");
+  AttentionOptions o = options("l.1");
+  o.kv_sharing_target_layer_name = "l.0";
+  Attention consumer(ctx, o);
+  EXPECT_ERROR(consumer.bind_kv_cache({c.view(), c.view()}), InvalidArgument,
+               "layer l.1 shares the KV cache of l.0; bind the cache to that layer instead");
+  EXPECT_ERROR(consumer.kv_cache(), InvalidArgument, "layer l.0 has no KV cache bound");
+}
+
+// A decode + chunked-prefill step through the layer equals the reference impl called directly.
+class LayerForward : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    layer_ = std::make_unique<Attention>(ctx_, options("model.layers.0.attn"));
+    cache_ = KVCache::allocate(layer_->config(), 8);
+    layer_->bind_kv_cache({cache_.view()});
+    step_ = MetadataBuilder(4).add({0, 5, {6, 2}}).add({0, 3, {1}}).build();
+    md_ = step_.view();
+    q_ = random_values(8 * 4 * 8, 1);
+    k_ = random_values(8 * 2 * 8, 2);
+    v_ = random_values(8 * 2 * 8, 3);
+  }
+  TensorView q() { return TensorView::contiguous(q_.data(), DType::kF32, {8, 32}); }
+  TensorView k() { return TensorView::contiguous(k_.data(), DType::kF32, {8, 16}); }
+  TensorView v() { return TensorView::contiguous(v_.data(), DType::kF32, {8, 16}); }
+
+  ForwardContext ctx_;
+  std::unique_ptr<Attention> layer_;
+  KVCache cache_;
+  StepMetadata step_;
+  AttentionMetadata md_;
+  std::vector<float> q_, k_, v_;
+};
+
+TEST_F(LayerForward, OutsideAStepIsAnError) {
+  EXPECT_ERROR(layer_->forward(q(), k(), v()), InvalidArgument, "forward called outside a step");
+}
+
+TEST_F(LayerForward, BothOutputModesAgree) {
+  ctx_.begin_step({&md_});
+  Tensor allocated = layer_->forward(q(), k(), v());
+  ctx_.end_step();
+  std::vector<float> buffer(8 * 32, std::nanf(""));
+  std::vector<float> lse(4 * 8, std::nanf(""));
+  ctx_.begin_step({&md_});
+  layer_->forward(q(), k(), v(), TensorView::contiguous(buffer.data(), DType::kF32, {8, 32}),
+                  TensorView::contiguous(lse.data(), DType::kF32, {4, 8}));
+  ctx_.end_step();
+  for (size_t i = 0; i < buffer.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(buffer[i])) << i;
+    EXPECT_EQ(buffer[i], allocated.data_as<float>()[i]) << i;
+  }
+  for (float x : lse) EXPECT_TRUE(std::isfinite(x));
+}
+
+TEST_F(LayerForward, ProfilingStepZeroesAndWritesNothing) {
+  std::vector<float> out(8 * 32, 7.0f);
+  ctx_.begin_profile_step();
+  layer_->forward(q(), k(), v(), TensorView::contiguous(out.data(), DType::kF32, {8, 32}));
+  ctx_.end_step();
+  for (float x : out) EXPECT_EQ(x, 0.0f);
+  const auto* c = static_cast<const float*>(cache_.storage().data());
+  for (int64_t i = 0; i < cache_.storage().view().numel(); ++i) EXPECT_EQ(c[i], 0.0f);
+}
+
+TEST_F(LayerForward, KvSharingConsumerReadsButNeverWrites) {
+  ctx_.begin_step({&md_});
+  Tensor target_out = layer_->forward(q(), k(), v());
+  ctx_.end_step();
+  AttentionOptions o = options("model.layers.1.attn");
+  o.kv_sharing_target_layer_name = "model.layers.0.attn";
+  Attention consumer(ctx_, o);
+  std::vector<float> other_k = random_values(k_.size(), 9);
+  ctx_.begin_step({&md_});
+  Tensor out =
+      consumer.forward(q(), TensorView::contiguous(other_k.data(), DType::kF32, {8, 16}), v());
+  ctx_.end_step();
+  // Same cache, same queries: identical output although the consumer was handed other keys.
+  for (int i = 0; i < 8 * 32; ++i)
+    EXPECT_EQ(out.data_as<float>()[i], target_out.data_as<float>()[i]);
+}
+
+TEST_F(LayerForward, BadQueryShapeNamesTheArgument) {
+  ctx_.begin_step({&md_});
+  std::vector<float> bad(8 * 30);
+  EXPECT_ERROR(layer_->forward(TensorView::contiguous(bad.data(), DType::kF32, {8, 30}), k(), v()),
+               InvalidArgument, "query must be [num_tokens, 4*8] or [num_tokens, 4, 8]");
+  std::vector<uint16_t> half(8 * 32);
+  EXPECT_ERROR(
+      layer_->forward(TensorView::contiguous(half.data(), DType::kBF16, {8, 32}), k(), v()),
+      InvalidArgument, "query must be float32; got bfloat16[8, 4, 8]");
+}
+
+TEST(VirtualEngines, StepPicksTheCache) {
+  ForwardContext ctx(2);
+  Attention a(ctx, options("l.0"));
+  KVCache c0 = KVCache::allocate(a.config(), 2), c1 = KVCache::allocate(a.config(), 2);
+  a.bind_kv_cache({c0.view(), c1.view()});
+  StepMetadata s = MetadataBuilder(4).add({0, 1, {1}}).build();
+  AttentionMetadata md = s.view();
+  std::vector<float> q(32, 1.0f), k(16, 2.0f), v(16, 3.0f);
+  ctx.begin_step({&md}, /*virtual_engine=*/1);
+  a.forward(TensorView::contiguous(q.data(), DType::kF32, {1, 32}),
+            TensorView::contiguous(k.data(), DType::kF32, {1, 16}),
+            TensorView::contiguous(v.data(), DType::kF32, {1, 16}));
+  ctx.end_step();
+  const auto nonzero = [](const KVCache& c) {
+    const auto* p = static_cast<const float*>(c.storage().data());
+    for (int64_t i = 0; i < c.storage().view().numel(); ++i)
+      if (p[i] != 0.0f) return true;
+    return false;
+  };
+  EXPECT_FALSE(nonzero(c0));
+  EXPECT_TRUE(nonzero(c1));
+}
+
+TEST(KvScales, CheckpointRules) {
+  ForwardContext ctx;
+  AttentionOptions o = options("l.0");
+  o.cache_config->cache_dtype = KVCacheDType::kFp8E4M3;
+  o.has_checkpoint_kv_scales = true;
+  Attention a(ctx, o);
+  a.load_kv_scales(0.5f, 2.0f, 3.0f);  // all present
+  EXPECT_FLOAT_EQ(a.q_scale(), 0.5f);
+  EXPECT_FLOAT_EQ(a.k_scale(), 2.0f);
+  EXPECT_FLOAT_EQ(a.v_scale(), 3.0f);
+  a.load_kv_scales(-1.0f, -1.0f, 4.0f);  // one present: a single kv scale for both
+  EXPECT_FLOAT_EQ(a.k_scale(), 4.0f);
+  EXPECT_FLOAT_EQ(a.v_scale(), 4.0f);
+  EXPECT_FLOAT_EQ(a.q_scale(), 4.0f);  // missing q: k's, with a warning
+  EXPECT_FALSE(a.warnings().empty());
+  a.load_kv_scales(-1.0f, -1.0f, -1.0f);  // none: 1.0
+  EXPECT_FLOAT_EQ(a.k_scale(), 1.0f);
+  EXPECT_ERROR(a.load_kv_scales(1.0f, std::nanf(""), 1.0f), InvalidArgument,
+               "k_scale (nan) must be finite and non-zero");
+}
+
+TEST(KvScales, AutoCacheIgnoresCheckpointScales) {
+  ForwardContext ctx;
+  Attention a(ctx, options("l.0"));
+  a.load_kv_scales(0.5f, 2.0f, 3.0f);
+  EXPECT_FLOAT_EQ(a.k_scale(), 1.0f);
+  EXPECT_FLOAT_EQ(a.v_scale(), 1.0f);
+}
+
+TEST(KvScales, CalibratedOnceOnTheFirstRealBatch) {
+  ForwardContext ctx;
+  AttentionOptions o = options("l.0");
+  o.cache_config->cache_dtype = KVCacheDType::kFp8E4M3;
+  o.cache_config->calculate_kv_scales = true;
+  Attention a(ctx, o);
+  KVCache c = KVCache::allocate(a.config(), 2);
+  a.bind_kv_cache({c.view()});
+  StepMetadata s = MetadataBuilder(4).add({0, 1, {1}}).build();
+  AttentionMetadata md = s.view();
+  std::vector<float> q(32, 0.0f), k(16, 0.0f), v(16, 0.0f);
+  auto run = [&] {
+    ctx.begin_step({&md});
+    a.forward(TensorView::contiguous(q.data(), DType::kF32, {1, 32}),
+              TensorView::contiguous(k.data(), DType::kF32, {1, 16}),
+              TensorView::contiguous(v.data(), DType::kF32, {1, 16}));
+    ctx.end_step();
+  };
+  run();  // all zeros: nothing to calibrate on, try again next time
+  EXPECT_TRUE(a.calculate_kv_scales());
+  q[3] = -40.0f;
+  k[5] = 100.0f;
+  v[0] = 50.0f;
+  run();
+  EXPECT_FALSE(a.calculate_kv_scales());
+  EXPECT_FLOAT_EQ(a.q_scale(), 40.0f / 200.0f);
+  EXPECT_FLOAT_EQ(a.k_scale(), 100.0f / 200.0f);
+  EXPECT_FLOAT_EQ(a.v_scale(), 50.0f / 100.0f);
+  k[5] = 1000.0f;  // later batches leave the scales alone
+  run();
+  EXPECT_FLOAT_EQ(a.k_scale(), 0.5f);
+}
+
+}  // namespace
+}  // namespace pagedattn
