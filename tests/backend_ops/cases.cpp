@@ -1,0 +1,198 @@
+#include "cases.h"
+
+#include <cmath>
+#include <sstream>
+
+namespace pagedattn::backend_ops {
+namespace {
+
+AttentionConfig base_config() {
+  AttentionConfig c;
+  c.num_heads = 8;
+  c.num_kv_heads = 2;
+  c.head_size = 64;
+  c.scale = 1.0f / std::sqrt(64.0f);
+  c.dtype = DType::kBF16;
+  c.block_size = 16;
+  return c;
+}
+
+// A mixed step: fresh prefill, decode, chunked prefill over context, a zero-length padding
+// request, and a 3-token speculative-decode verification.
+std::vector<RequestShape> mixed_batch() {
+  return {{0, 37}, {45, 1}, {64, 16}, {0, 0}, {20, 3}};
+}
+
+std::string describe(const OpCase& k) {
+  const AttentionConfig& c = k.config;
+  std::ostringstream os;
+  os << to_string(c.attn_type) << " d=" << c.head_size << " h=" << c.num_heads << "/"
+     << c.num_kv_heads << " " << dtype_name(c.dtype) << " kv=" << to_string(c.kv_cache_dtype) << " "
+     << to_string(c.kv_cache_layout) << " bs=" << c.block_size;
+  if (c.sliding_window) os << " window=" << *c.sliding_window;
+  if (c.logits_soft_cap) os << " softcap=" << *c.logits_soft_cap;
+  if (c.has_alibi()) os << " alibi";
+  if (c.has_sinks()) os << " sinks";
+  return os.str();
+}
+
+class Matrix {
+ public:
+  explicit Matrix(uint32_t seed_base) : seed_base_(seed_base) {}
+  void add(std::string tag, AttentionConfig c, std::vector<RequestShape> requests,
+           int pad_tokens = 0, float input_std = 1.0f) {
+    OpCase k;
+    k.config = c;
+    k.config.scale = c.scale > 0 ? c.scale : 1.0f / std::sqrt(float(c.head_size));
+    k.requests = std::move(requests);
+    k.pad_tokens = pad_tokens;
+    k.input_std = input_std;
+    if (is_fp8(c.kv_cache_dtype)) {
+      // Non-trivial scales so that a backend ignoring them fails.
+      k.k_scale = 0.75f;
+      k.v_scale = 1.5f;
+    }
+    k.seed = seed_base_ + uint32_t(cases_.size());
+    k.name = tag + ": " + describe(k);
+    cases_.push_back(std::move(k));
+  }
+  std::vector<OpCase> take() { return std::move(cases_); }
+
+ private:
+  uint32_t seed_base_;
+  std::vector<OpCase> cases_;
+};
+
+}  // namespace
+
+std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
+  Matrix m(seed_base);
+  const AttentionConfig base = base_config();
+
+  // Head sizes x GQA ratios (1 = MHA, 4, 8 = MQA with 8 query heads).
+  for (int d : {64, 80, 96, 112, 128, 192, 256}) {
+    for (int kv : {8, 2, 1}) {
+      AttentionConfig c = base;
+      c.head_size = d;
+      c.num_kv_heads = kv;
+      c.scale = 0;
+      m.add("heads", c, mixed_batch(), 2);
+    }
+  }
+  // Block sizes, including 1 and sizes larger than any request.
+  for (int bs : {1, 2, 16, 32, 64, 128, 256}) {
+    AttentionConfig c = base;
+    c.block_size = bs;
+    m.add("block_size", c, mixed_batch(), 1);
+  }
+  // Activation dtype x cache dtype.
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (KVCacheDType kv : {KVCacheDType::kAuto, KVCacheDType::kBFloat16, KVCacheDType::kFloat16,
+                            KVCacheDType::kFloat32, KVCacheDType::kFp8, KVCacheDType::kFp8E4M3,
+                            KVCacheDType::kFp8E5M2}) {
+      AttentionConfig c = base;
+      c.dtype = dt;
+      c.kv_cache_dtype = kv;
+      m.add("dtypes", c, mixed_batch(), 1);
+    }
+  }
+  // HND layout.
+  for (KVCacheDType kv : {KVCacheDType::kAuto, KVCacheDType::kFp8E4M3}) {
+    for (int bs : {1, 16}) {
+      AttentionConfig c = base;
+      c.kv_cache_layout = KVCacheLayout::kHND;
+      c.kv_cache_dtype = kv;
+      c.block_size = bs;
+      m.add("layout", c, mixed_batch(), 1);
+    }
+  }
+  // Masks and features, alone and in the combinations models use.
+  auto feature = [&](const char* tag, auto&& mutate, int head_size = 64) {
+    AttentionConfig c = base;
+    c.head_size = head_size;
+    c.scale = 0;
+    mutate(c);
+    m.add(tag, c, mixed_batch(), 1);
+  };
+  for (int w : {1, 7, 32, 100})
+    feature("window", [w](AttentionConfig& c) { c.sliding_window = w; });
+  for (float cap : {5.0f, 30.0f}) {
+    feature("softcap", [cap](AttentionConfig& c) {
+      c.logits_soft_cap = cap;
+      c.scale = 0.5f;  // large logits, so the cap bites
+    });
+  }
+  feature("alibi", [](AttentionConfig& c) { c.alibi_slopes = alibi_slopes(c.num_heads); });
+  feature("sinks",
+          [](AttentionConfig& c) { c.sinks = {-2.0f, -1.0f, 0.0f, 0.5f, 1.0f, 2.0f, 3.0f, 6.0f}; });
+  feature(
+      "gemma2",
+      [](AttentionConfig& c) {  // soft cap + window, head size 256
+        c.logits_soft_cap = 50.0f;
+        c.sliding_window = 24;
+      },
+      256);
+  feature("gpt-oss", [](AttentionConfig& c) {  // sinks + window, MQA-ish
+    c.sinks = {0.5f, -0.5f, 1.0f, 2.0f, -3.0f, 0.0f, 1.5f, 0.25f};
+    c.sliding_window = 16;
+    c.num_kv_heads = 1;
+  });
+  feature("alibi+window", [](AttentionConfig& c) {
+    c.alibi_slopes = alibi_slopes(c.num_heads);
+    c.sliding_window = 20;
+  });
+  feature(
+      "everything",
+      [](AttentionConfig& c) {
+        c.alibi_slopes = alibi_slopes(c.num_heads);
+        c.sliding_window = 33;
+        c.logits_soft_cap = 20.0f;
+        c.sinks = {0, 1, 2, 3, -1, -2, -3, 0.5f};
+        c.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+        c.kv_cache_layout = KVCacheLayout::kHND;
+      },
+      128);
+  // Attention types without a paged cache, and cross attention.
+  for (AttentionType t : {AttentionType::kEncoder, AttentionType::kEncoderOnly}) {
+    for (std::optional<int> w : {std::optional<int>{}, std::optional<int>{5}}) {
+      AttentionConfig c = base;
+      c.attn_type = t;
+      c.sliding_window = w;
+      m.add("encoder", c, {{0, 19}, {0, 0}, {0, 1}, {0, 40}});
+    }
+  }
+  {
+    AttentionConfig c = base;
+    c.attn_type = AttentionType::kEncoderOnly;
+    c.alibi_slopes = alibi_slopes(c.num_heads);
+    m.add("encoder", c, {{0, 25}, {0, 7}});
+  }
+  {
+    AttentionConfig c = base;
+    c.attn_type = AttentionType::kEncoderDecoder;
+    // Encoder K/V written this step for requests 0 and 2, cached from before for request 1;
+    // decoder queries of 1..4 tokens.
+    m.add("cross", c, {{0, 4, 0, 30, true}, {0, 1, 0, 30, false}, {0, 2, 0, 30, true}});
+    m.add("cross", c, {{0, 1, 0, 50, false}, {0, 1, 0, 50, false}});  // pure decode steps
+    c.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+    m.add("cross", c, {{0, 3, 0, 17, true}, {0, 0, 0, 17, false}});
+  }
+  // Batch shapes.
+  m.add("batch", base, {{130, 1}, {7, 1}, {255, 1}, {16, 1}, {0, 1}, {61, 1}, {300, 1}, {1, 1}});
+  m.add("batch", base, {{0, 200}});
+  m.add("batch", base, {{128, 64}});  // chunked prefill, context a multiple of the block size
+  m.add("batch", base, {{0, 0}, {0, 0}});
+  m.add("batch", base, {{0, 0}, {33, 5}, {0, 0}}, 7);
+  m.add("batch", base, {{48, 4}, {48, 9, 3}, {32, 1, 2}});  // prefix sharing
+  {
+    AttentionConfig c = base;
+    c.scale = 0.6f;  // peaky softmax: large logit differences
+    m.add("scale", c, mixed_batch(), 0, 2.0f);
+    c.dtype = DType::kF32;
+    c.scale = 0.01f;  // nearly flat
+    m.add("scale", c, mixed_batch());
+  }
+  return m.take();
+}
+
+}  // namespace pagedattn::backend_ops

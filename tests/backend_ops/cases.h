@@ -1,0 +1,38 @@
+// The backend_ops case matrix: every backend runs the same cases and is compared with the
+// float64 reference (docs/testing.md).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "pagedattn/config.h"
+
+namespace pagedattn::backend_ops {
+
+/// One request of a case. For decoders: context_len cached tokens then query_len new ones.
+/// For encoder types: query_len tokens attending to each other. For cross attention:
+/// encoder_len cached encoder tokens, written this step when encoder_runs.
+struct RequestShape {
+  int context_len = 0;
+  int query_len = 0;
+  int share_prefix_blocks = 0;  ///< reuse the first N physical blocks of the previous request
+  int encoder_len = 0;
+  bool encoder_runs = false;
+};
+
+struct OpCase {
+  std::string name;  ///< unique, filterable: "head_size=80 gqa=4 ..."
+  AttentionConfig config;
+  std::vector<RequestShape> requests;
+  int pad_tokens = 0;  ///< extra query rows with slot -1 (CUDA-graph padding)
+  float k_scale = 1.0f, v_scale = 1.0f;
+  float input_std = 1.0f;  ///< standard deviation of the random inputs
+  uint32_t seed = 0;
+};
+
+/// The full matrix (a few hundred cases), deterministic in its shapes; inputs are drawn fresh
+/// per case from `seed_base` + case index.
+std::vector<OpCase> make_case_matrix(uint32_t seed_base);
+
+}  // namespace pagedattn::backend_ops
