@@ -3,6 +3,8 @@ add_library(pagedattn_warnings INTERFACE)
 target_compile_options(pagedattn_warnings INTERFACE
   $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wshadow=local -Wnon-virtual-dtor>
   $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<BOOL:${PAGEDATTN_WERROR}>>:-Werror>
+  # GCC 12 reports -Wrestrict false positives inside std::string at -O3 (GCC bug 105329).
+  $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<CXX_COMPILER_ID:GNU>,$<VERSION_LESS:$<CXX_COMPILER_VERSION>,13>>:-Wno-restrict>
   $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>
   $<$<AND:$<COMPILE_LANGUAGE:CUDA>,$<BOOL:${PAGEDATTN_WERROR}>>:-Werror=all-warnings>)
 

@@ -3,6 +3,7 @@
 
 #include "pagedattn/accuracy.h"
 #include "pagedattn/backend.h"
+#include "pagedattn/case_file.h"
 #include "pagedattn/config.h"
 #include "pagedattn/device.h"
 #include "pagedattn/dtype.h"
@@ -13,4 +14,5 @@
 #include "pagedattn/layer.h"
 #include "pagedattn/metadata.h"
 #include "pagedattn/registry.h"
+#include "pagedattn/safetensors.h"
 #include "pagedattn/tensor.h"

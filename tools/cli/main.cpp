@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   pagedattn::cli::add_backends_command(app);
   pagedattn::cli::add_compute_command(app);
+  pagedattn::cli::add_make_case_command(app);
   pagedattn::cli::add_run_command(app);
   try {
     app.parse(argc, argv);
