@@ -4,6 +4,9 @@
 
 #include "pagedattn/registry.h"
 #include "ref/ref_backend.h"
+#if PAGEDATTN_WITH_CPU_BACKEND
+#include "cpu/cpu_backend.h"
+#endif
 #if PAGEDATTN_WITH_CUDA
 #include "cuda/common/runtime.h"
 #endif
@@ -23,6 +26,10 @@ Registry& default_registry() {
   static Registry registry = [] {
     ensure_builtins_registered();
     Registry r;
+    // Priority order: the first backend whose check() passes serves a layer.
+#if PAGEDATTN_WITH_CPU_BACKEND
+    r.add(cpu::make_backend());
+#endif
     r.add(ref::make_backend(ref::Precision::kFloat64));
     return r;
   }();

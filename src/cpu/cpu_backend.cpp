@@ -1,0 +1,266 @@
+#include "cpu/cpu_backend.h"
+
+#include <omp.h>
+
+#include <array>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu/cpu_kernels.h"
+#include "cpu/cpu_plan.h"
+#include "pagedattn/error.h"
+
+namespace pagedattn::cpu {
+namespace {
+
+// Largest head size the per-thread scratch is sized for (rows x head_size floats).
+constexpr int kMaxHeadSize = 512;
+
+int64_t elem_offset(const TensorView& v, int64_t i0, int64_t i1) {
+  return i0 * v.stride(0) + i1 * v.stride(1);
+}
+
+AttentionParams make_params(const AttentionConfig& c, const ForwardArgs& a) {
+  const AttentionMetadata& md = *a.metadata;
+  AttentionParams p;
+  p.q = a.query.data;
+  p.q_stride_token = a.query.stride(0);
+  p.q_stride_head = a.query.stride(1);
+  p.q_dtype = a.query.dtype;
+  p.out = a.output.data;
+  p.out_stride_token = a.output.stride(0);
+  p.out_stride_head = a.output.stride(1);
+  p.out_dtype = a.output.dtype;
+  if (a.lse.defined()) {
+    p.lse = a.lse.data;
+    p.lse_stride_head = a.lse.stride(0);
+    p.lse_stride_token = a.lse.stride(1);
+    p.lse_dtype = a.lse.dtype;
+  }
+  if (uses_kv_cache(c.attn_type)) {
+    const KVCacheView& kv = a.kv_cache;
+    p.k = kv.key.data;
+    p.v = kv.value.data;
+    p.kv_dtype = kv.key.dtype;
+    p.k_stride_block = kv.key.stride(0);
+    p.k_stride_token = kv.key.stride(1);
+    p.k_stride_head = kv.key.stride(2);
+    p.v_stride_block = kv.value.stride(0);
+    p.v_stride_token = kv.value.stride(1);
+    p.v_stride_head = kv.value.stride(2);
+    p.paged = true;
+    p.block_table = static_cast<const int32_t*>(md.block_table.data);
+    p.block_table_stride = md.block_table.stride(0);
+    p.block_size = kv.block_size();
+    if (is_fp8(c.kv_cache_dtype)) {
+      p.k_scale = a.scales.k_scale;
+      p.v_scale = a.scales.v_scale;
+    }
+  } else {
+    p.k = a.key.data;
+    p.v = a.value.data;
+    p.kv_dtype = a.key.dtype;
+    p.k_stride_token = a.key.stride(0);
+    p.k_stride_head = a.key.stride(1);
+    p.v_stride_token = a.value.stride(0);
+    p.v_stride_head = a.value.stride(1);
+    p.paged = false;
+  }
+  p.query_start_loc = static_cast<const int32_t*>(md.query_start_loc_cpu.data);
+  p.seq_lens = static_cast<const int32_t*>(md.seq_lens_cpu.data);
+  p.num_heads = c.num_heads;
+  p.num_kv_heads = c.num_kv_heads;
+  p.head_size = c.head_size;
+  p.scale = c.scale;
+  p.soft_cap = c.logits_soft_cap.value_or(0.0f);
+  p.alibi = c.has_alibi() ? c.alibi_slopes.data() : nullptr;
+  p.sinks = c.has_sinks() ? c.sinks.data() : nullptr;
+  p.causal = c.causal();
+  if (c.sliding_window) {
+    p.window_left = *c.sliding_window - 1;
+    if (c.attn_type == AttentionType::kEncoderOnly) p.window_right = *c.sliding_window - 1;
+  }
+  return p;
+}
+
+class CpuImpl final : public AttentionImpl {
+ public:
+  explicit CpuImpl(const AttentionConfig& config) : config_(config) {}
+
+  void write_kv(const WriteKVArgs& a) override {
+    const KVCacheView& c = a.kv_cache;
+    const bool fp8 = is_fp8(config_.kv_cache_dtype);
+    const int64_t num_slots = a.slot_mapping.size(0);
+    const int bs = c.block_size(), heads = c.num_kv_heads(), d = c.head_size();
+    const auto* slots = static_cast<const int64_t*>(a.slot_mapping.data);
+    const size_t in_elem = dtype_size(a.key.dtype), cache_elem = dtype_size(c.key.dtype);
+#pragma omp parallel for schedule(static) if (num_slots * heads * d > (1 << 16))
+    for (int64_t t = 0; t < num_slots; ++t) {
+      const int64_t slot = slots[t * a.slot_mapping.stride(0)];
+      if (slot < 0) continue;  // padded token
+      const int64_t block = slot / bs, offset = slot % bs;
+      for (int h = 0; h < heads; ++h) {
+        const auto* ks =
+            static_cast<const char*>(a.key.data) + in_elem * size_t(elem_offset(a.key, t, h));
+        const auto* vs =
+            static_cast<const char*>(a.value.data) + in_elem * size_t(elem_offset(a.value, t, h));
+        char* kd = static_cast<char*>(c.key.data) +
+                   cache_elem * size_t(block * c.key.stride(0) + offset * c.key.stride(1) +
+                                       h * c.key.stride(2));
+        char* vd = static_cast<char*>(c.value.data) +
+                   cache_elem * size_t(block * c.value.stride(0) + offset * c.value.stride(1) +
+                                       h * c.value.stride(2));
+        convert_row(ks, a.key.dtype, kd, c.key.dtype, d, fp8 ? a.scales.k_scale : 1.0f);
+        convert_row(vs, a.value.dtype, vd, c.value.dtype, d, fp8 ? a.scales.v_scale : 1.0f);
+      }
+    }
+  }
+
+  void forward(const ForwardArgs& a) override {
+    const AttentionParams p = make_params(config_, a);
+    const CpuPlan* plan = dynamic_cast<const CpuPlan*>(a.plan);
+    std::unique_ptr<CpuPlan> own;
+    if (!plan) {
+      own = make_plan(*a.metadata, config_, PlanOptions{omp_get_max_threads()});
+      plan = own.get();
+    }
+    // Partial results of split items live in the caller's workspace (or, when the caller gave
+    // too little, in a buffer of our own).
+    std::vector<float> local;
+    float* scratch = static_cast<float*>(a.workspace.data);
+    if (plan->workspace_bytes() > a.workspace.bytes) {
+      local.resize(plan->workspace_bytes() / sizeof(float));
+      scratch = local.data();
+    }
+    const int64_t slots = int64_t(plan->num_partials) * plan->rows_stride;
+    const PartialBuffers partials{scratch, scratch + slots * config_.head_size, plan->rows_stride};
+    const int64_t n = int64_t(plan->items.size());
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) attend_item(p, plan->items[size_t(i)], partials);
+    const int64_t groups = int64_t(plan->split_groups.size());
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t g = 0; g < groups; ++g) {
+      const SplitGroup& sg = plan->split_groups[size_t(g)];
+      merge_splits(p, sg.whole, sg.first_split, sg.num_splits, partials);
+    }
+  }
+
+ private:
+  AttentionConfig config_;
+};
+
+class CpuBackend final : public Backend {
+ public:
+  std::string_view name() const override { return "cpu"; }
+  std::string_view description() const override {
+    return "SIMD (run-time dispatch) + OpenMP paged attention on the host";
+  }
+  std::vector<std::string> check(const BackendQuery& q) const override {
+    std::vector<std::string> reasons;
+    if (!q.device.is_cpu()) {
+      reasons.push_back(
+          detail::cat("runs on the CPU only; the tensors are on ", to_string(q.device)));
+    }
+    const int d = q.config.head_size;
+    if (d % 16 != 0 || d > kMaxHeadSize) {
+      reasons.push_back(
+          detail::cat("head_size ", d, " is not a multiple of 16 up to ", kMaxHeadSize));
+    }
+    return reasons;
+  }
+  std::unique_ptr<AttentionImpl> make_impl(const AttentionConfig& config, Device) const override {
+    return std::make_unique<CpuImpl>(config);
+  }
+  std::unique_ptr<Plan> plan(const AttentionMetadata& md, const AttentionConfig& c) const override {
+    return make_plan(md, c, PlanOptions{omp_get_max_threads()});
+  }
+  void merge_states(const MergeArgs& a) const override;
+  float amax(const TensorView& x) const override;
+};
+
+void CpuBackend::merge_states(const MergeArgs& a) const {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t n = a.output.size(0), heads = a.output.size(1), d = a.output.size(2);
+  auto lse_at = [](const TensorView& v, int64_t h, int64_t t) {
+    return float(load_element(v.data, v.dtype, h * v.stride(0) + t * v.stride(1)));
+  };
+  auto row = [](const TensorView& v, int64_t t, int64_t h) {
+    return static_cast<char*>(v.data) +
+           dtype_size(v.dtype) * size_t(t * v.stride(0) + h * v.stride(1));
+  };
+#pragma omp parallel for schedule(static) if (n * heads * d > (1 << 16))
+  for (int64_t t = 0; t < n; ++t) {
+    std::vector<float> pv(static_cast<size_t>(d)), sv(static_cast<size_t>(d));
+    for (int64_t h = 0; h < heads; ++h) {
+      float p = lse_at(a.prefix_lse, h, t), s = lse_at(a.suffix_lse, h, t);
+      if (std::isinf(p)) p = kNegInf;
+      if (std::isinf(s)) s = kNegInf;
+      const float m = std::max(p, s);
+      float wp = 1.0f, ws = 0.0f, out_lse = kNegInf;
+      if (m != kNegInf) {
+        wp = std::exp(p - m);
+        ws = std::exp(s - m);
+        out_lse = std::log(wp + ws) + m;
+        const float total = wp + ws;
+        wp /= total;
+        ws /= total;
+      }
+      convert_row(row(a.prefix_output, t, h), a.prefix_output.dtype, pv.data(), DType::kF32, d,
+                  1.0f);
+      convert_row(row(a.suffix_output, t, h), a.suffix_output.dtype, sv.data(), DType::kF32, d,
+                  1.0f);
+      for (int64_t i = 0; i < d; ++i) {
+        // A side with weight 0 is not read (its row may be garbage for an empty range).
+        pv[size_t(i)] =
+            (wp == 0.0f ? 0.0f : wp * pv[size_t(i)]) + (ws == 0.0f ? 0.0f : ws * sv[size_t(i)]);
+      }
+      convert_row(pv.data(), DType::kF32, row(a.output, t, h), a.output.dtype, d, 1.0f);
+      if (a.output_lse.defined()) {
+        store_element(a.output_lse.data, a.output_lse.dtype,
+                      h * a.output_lse.stride(0) + t * a.output_lse.stride(1), out_lse);
+      }
+    }
+  }
+}
+
+float CpuBackend::amax(const TensorView& x) const {
+  detail::require(x.device.is_cpu(), "amax: ", describe(x), " is not on the CPU");
+  if (x.numel() == 0) return 0.0f;
+  if (x.is_contiguous()) return amax_row(x.data, x.dtype, x.numel());
+  // Strided: one contiguous-innermost row at a time.
+  float m = 0.0f;
+  std::array<int64_t, kMaxDims> idx{};
+  const int last = x.ndim - 1;
+  const int64_t rows = x.numel() / x.size(last);
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t off = 0;
+    for (int d = 0; d < last; ++d) off += idx[size_t(d)] * x.stride(d);
+    float rm;
+    if (x.stride(last) == 1) {
+      rm = amax_row(static_cast<const char*>(x.data) + dtype_size(x.dtype) * size_t(off), x.dtype,
+                    x.size(last));
+    } else {
+      rm = 0.0f;
+      for (int64_t i = 0; i < x.size(last); ++i) {
+        const float v = std::fabs(float(load_element(x.data, x.dtype, off + i * x.stride(last))));
+        rm = std::isnan(v) ? v : std::max(rm, v);
+      }
+    }
+    if (std::isnan(rm)) return rm;
+    m = std::max(m, rm);
+    for (int d = last - 1; d >= 0; --d) {
+      if (++idx[size_t(d)] < x.size(d)) break;
+      idx[size_t(d)] = 0;
+    }
+  }
+  return m;
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_backend() {
+  return std::make_unique<CpuBackend>();
+}
+
+}  // namespace pagedattn::cpu

@@ -1,0 +1,720 @@
+// CPU attention kernels, compiled once per SIMD target (Highway's foreach_target re-includes
+// this file) and dispatched at run time.
+//
+// Work decomposition (see cpu_plan.cpp): one WorkItem = a range of query tokens of one request
+// for all G query heads that share one KV head, against a range of keys. Its rows are the
+// (token, head) pairs, so every K/V row is read once for all of them (GQA head packing).
+// Keys are processed in chunks of kChunk:
+//   S = Q K^T   few rows (decode): dot products straight from the cache rows, converted in
+//               registers; many rows (prefill): the chunk is packed transposed (Kt[d][n]) and
+//               a 4-row x 4-vector register tile accumulates S.
+//   softmax     online, base 2 (log2(e) is folded into the query scale), per row.
+//   O += P V    the V chunk is converted once into a float buffer; a 2-row x 8-vector register
+//               tile accumulates O (rescaled by the running-max correction as it is loaded).
+// fp8 and bf16 values are converted in registers (bf16: shift; fp8: byte -> fp16 bits ->
+// float); the k scale is folded into the query scale and the v scale into the final division.
+// Scratch per thread: Q, O [rows x head_size], S [rows x kChunk], Kt/V [kChunk x head_size].
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/cpu_kernels.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// Must come after foreach_target.h.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu/cpu_kernels.h"
+#include "hwy/cache_control.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+#include "pagedattn/error.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace pagedattn::cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kChunk = 64;  // keys per chunk: a multiple of every target's lane count (<= 16)
+
+// Tag types for the one-byte formats.
+struct E4M3 {};
+struct E5M2 {};
+
+// ---------------------------------------------------------------------------------------------
+// Loads of Lanes(df) elements, converted to float.
+
+HWY_INLINE VF LoadF32(DF df, const float* p) {
+  return hn::LoadU(df, p);
+}
+HWY_INLINE VF LoadF32(DF df, const hwy::bfloat16_t* p) {
+  const hn::Rebind<hwy::bfloat16_t, DF> dbf;
+  return hn::PromoteTo(df, hn::LoadU(dbf, p));
+}
+HWY_INLINE VF LoadF32(DF df, const hwy::float16_t* p) {
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  return hn::PromoteTo(df, hn::LoadU(dh, p));
+}
+// e5m2 is the upper byte of an IEEE half: shift it into place and let the half conversion
+// handle subnormals, infinities and NaN exactly.
+HWY_INLINE VF LoadF32(DF df, const E5M2* p) {
+  const hn::Rebind<uint8_t, DF> d8;
+  const hn::Rebind<uint16_t, DF> d16;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  const auto b = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const uint8_t*>(p)));
+  return hn::PromoteTo(df, hn::BitCast(dh, hn::ShiftLeft<8>(b)));
+}
+// e4m3fn: sign to bit 15, exponent+mantissa to bits 7..13 of a half, then scale by 2^8 (the
+// bias difference 15 - 7). Exact for normals and subnormals; the one NaN code (S.1111.111)
+// would read 480, which no finite e4m3 equals, so it is replaced by NaN.
+HWY_INLINE VF LoadF32(DF df, const E4M3* p) {
+  const hn::Rebind<uint8_t, DF> d8;
+  const hn::Rebind<uint16_t, DF> d16;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  const auto b = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const uint8_t*>(p)));
+  const auto h = hn::Or(hn::ShiftLeft<8>(hn::And(b, hn::Set(d16, 0x80))),
+                        hn::ShiftLeft<7>(hn::And(b, hn::Set(d16, 0x7f))));
+  const VF x = hn::Mul(hn::PromoteTo(df, hn::BitCast(dh, h)), hn::Set(df, 256.0f));
+  return hn::IfThenElse(hn::Eq(hn::Abs(x), hn::Set(df, 480.0f)),
+                        hn::Set(df, std::numeric_limits<float>::quiet_NaN()), x);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stores of a float vector, rounding to nearest even.
+
+HWY_INLINE void StoreF32(DF df, VF v, float* p) {
+  hn::StoreU(v, df, p);
+}
+HWY_INLINE void StoreF32(DF, VF v, hwy::float16_t* p) {
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  hn::StoreU(hn::DemoteTo(dh, v), dh, p);
+}
+// Highway's bf16 demotion truncates; round to nearest even by hand, keeping NaN quiet.
+HWY_INLINE void StoreF32(DF, VF v, hwy::bfloat16_t* p) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<uint16_t, DF> d16;
+  const auto u = hn::BitCast(du, v);
+  const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1));
+  auto r = hn::ShiftRight<16>(hn::Add(hn::Add(u, hn::Set(du, 0x7fff)), lsb));
+  const auto nan = hn::Or(hn::ShiftRight<16>(u), hn::Set(du, 0x40));
+  r = hn::IfThenElse(hn::RebindMask(du, hn::Ne(v, v)), nan, r);
+  const hn::RebindToSigned<DF> di;
+  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, r)), d16, reinterpret_cast<uint16_t*>(p));
+}
+
+// fp8 encoding of x (already divided by the scale): saturating, round to nearest even,
+// bit-identical to float_to_fp8_* in src/core/dtype.cpp.
+template <int kManBits, int kBias>
+HWY_INLINE void StoreFp8(DF df, VF x, uint8_t* p, float max_finite) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint8_t, DF> d8;
+  constexpr int kMinExp = 1 - kBias;
+  const auto sign = hn::ShiftRight<24>(hn::And(hn::BitCast(du, x), hn::Set(du, 0x80000000u)));
+  const VF a = hn::Min(hn::Abs(x), hn::Set(df, max_finite));  // saturate (inf included)
+  // Normal numbers: round the float mantissa to kManBits bits (carry may bump the exponent).
+  const auto bits = hn::BitCast(du, a);
+  constexpr int kDrop = 23 - kManBits;
+  const auto lsb = hn::And(hn::ShiftRight<kDrop>(bits), hn::Set(du, 1));
+  const auto rounded = hn::Add(bits, hn::Add(hn::Set(du, (1u << (kDrop - 1)) - 1), lsb));
+  const auto exp = hn::Sub(hn::ShiftRight<23>(rounded), hn::Set(du, uint32_t(127 - kBias)));
+  const auto man = hn::And(hn::ShiftRight<kDrop>(rounded), hn::Set(du, (1u << kManBits) - 1));
+  const auto normal = hn::Or(hn::ShiftLeft<kManBits>(exp), man);
+  // Subnormals: whole units of 2^(kMinExp - kManBits), rounded to nearest even.
+  const VF units = hn::Round(hn::Mul(a, hn::Set(df, std::ldexp(1.0f, kManBits - kMinExp))));
+  const auto sub = hn::BitCast(du, hn::ConvertTo(di, units));
+  auto code = hn::IfThenElse(hn::RebindMask(du, hn::Lt(a, hn::Set(df, std::ldexp(1.0f, kMinExp)))),
+                             sub, normal);
+  code = hn::IfThenElse(hn::RebindMask(du, hn::Ne(x, x)), hn::Set(du, 0x7f), code);
+  code = hn::Or(code, sign);
+  hn::StoreU(hn::DemoteTo(d8, hn::BitCast(di, code)), d8, p);
+}
+HWY_INLINE void StoreF32(DF df, VF v, E4M3* p) {
+  StoreFp8<3, 7>(df, v, reinterpret_cast<uint8_t*>(p), 448.0f);
+}
+HWY_INLINE void StoreF32(DF df, VF v, E5M2* p) {
+  StoreFp8<2, 15>(df, v, reinterpret_cast<uint8_t*>(p), 57344.0f);
+}
+
+// Calls f(type tag pointer) for a float dtype.
+template <class F>
+HWY_INLINE void VisitFloatType(DType t, F&& f) {
+  switch (t) {
+    case DType::kF32:
+      return f(static_cast<float*>(nullptr));
+    case DType::kF16:
+      return f(static_cast<hwy::float16_t*>(nullptr));
+    case DType::kBF16:
+      return f(static_cast<hwy::bfloat16_t*>(nullptr));
+    case DType::kFp8E4M3:
+      return f(static_cast<E4M3*>(nullptr));
+    case DType::kFp8E5M2:
+      return f(static_cast<E5M2*>(nullptr));
+    default:
+      detail::fail("cpu: unsupported element type ", dtype_name(t));
+  }
+}
+
+// Converts n (a multiple of Lanes) elements to float: dst[i] = src[i] * mul.
+template <class T>
+HWY_INLINE void ToFloat(const T* src, float* dst, int n, float mul) {
+  const DF df;
+  const size_t N = hn::Lanes(df);
+  const VF m = hn::Set(df, mul);
+  for (int i = 0; i < n; i += int(N)) hn::StoreU(hn::Mul(LoadF32(df, src + i), m), df, dst + i);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conversion of whole rows (write_kv, output stores).
+
+void ConvertRow(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n,
+                float scale) {
+  const DF df;
+  const int64_t N = int64_t(hn::Lanes(df));
+  const bool fp8 = is_fp8(dst_dtype);
+  const VF inv = hn::Set(df, scale);
+  VisitFloatType(src_dtype, [&](auto* s_tag) {
+    using S = std::remove_pointer_t<decltype(s_tag)>;
+    VisitFloatType(dst_dtype, [&](auto* d_tag) {
+      using T = std::remove_pointer_t<decltype(d_tag)>;
+      const S* s = static_cast<const S*>(src);
+      T* d = static_cast<T*>(dst);
+      int64_t i = 0;
+      for (; i + N <= n; i += N) {
+        VF x = LoadF32(df, s + i);
+        if (fp8) x = hn::Div(x, inv);  // division, as the reference and the CUDA kernel do
+        StoreF32(df, x, d + i);
+      }
+      for (; i < n; ++i) {  // tail: the scalar conversions (same rounding)
+        float x = float(load_element(src, src_dtype, i));
+        if (fp8) x /= scale;
+        store_element(dst, dst_dtype, i, x);
+      }
+    });
+  });
+}
+
+float AmaxRow(const void* src, DType dtype, int64_t n) {
+  const DF df;
+  const int64_t N = int64_t(hn::Lanes(df));
+  VF m = hn::Zero(df);
+  bool nan = false;
+  int64_t i = 0;
+  VisitFloatType(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* s = static_cast<const T*>(src);
+    for (; i + N <= n; i += N) {
+      const VF x = LoadF32(df, s + i);
+      nan |= !hn::AllFalse(df, hn::Ne(x, x));
+      m = hn::Max(m, hn::Abs(x));
+    }
+  });
+  float r = hn::GetLane(hn::MaxOfLanes(df, m));
+  for (; i < n; ++i) {
+    const float x = float(load_element(src, dtype, i));
+    nan |= std::isnan(x);
+    r = std::max(r, std::fabs(x));
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention.
+
+// Per-thread scratch, grown on demand (never shrunk).
+struct Scratch {
+  std::vector<float> q, o, s, kt, v, row_max, row_sum, row_alpha;
+  void reserve(int rows, int head_size) {
+    auto grow = [](std::vector<float>& b, size_t n) {
+      if (b.size() < n) b.resize(n);
+    };
+    grow(q, size_t(rows) * head_size);
+    grow(o, size_t(rows) * head_size);
+    grow(s, size_t(rows) * kChunk);
+    grow(kt, size_t(head_size) * kChunk);
+    grow(v, size_t(kChunk) * head_size);
+    grow(row_max, size_t(rows));
+    grow(row_sum, size_t(rows));
+    grow(row_alpha, size_t(rows));
+  }
+};
+
+Scratch& ThreadScratch() {
+  static thread_local Scratch scratch;
+  return scratch;
+}
+
+// Where one request's keys and values are.
+struct KeySource {
+  const uint8_t* k;
+  const uint8_t* v;
+  size_t elem;
+  int64_t k_row0, v_row0;  // element offset of the KV head (and, unpaged, the first row)
+  const int32_t* blocks;   // the request's block table row, or null (unpaged)
+  const AttentionParams* p;
+
+  template <class T>
+  const T* key(int64_t j) const {
+    return reinterpret_cast<const T*>(
+        k + elem * size_t(offset(j, p->k_stride_block, p->k_stride_token, k_row0)));
+  }
+  template <class T>
+  const T* value(int64_t j) const {
+    return reinterpret_cast<const T*>(
+        v + elem * size_t(offset(j, p->v_stride_block, p->v_stride_token, v_row0)));
+  }
+  int64_t offset(int64_t j, int64_t stride_block, int64_t stride_token, int64_t row0) const {
+    if (!blocks) return row0 + j * stride_token;
+    const int bs = p->block_size;
+    return row0 + int64_t(blocks[j / bs]) * stride_block + (j % bs) * stride_token;
+  }
+};
+
+// S[r][n] for kRows rows (decode): each key row is converted once in registers and dotted with
+// every query row. Q is [rows x D], S is [rows x kChunk].
+template <int kRows, class T>
+HWY_NOINLINE void ScoresFewRows(const KeySource& src, int64_t j0, int nc, int d_size,
+                                const float* q, float* s) {
+  const DF df;
+  const int N = int(hn::Lanes(df));
+  for (int n = 0; n < nc; ++n) {
+    const T* k = src.key<T>(j0 + n);
+    if (n + 4 < nc) hwy::Prefetch(src.key<T>(j0 + n + 4));
+    VF acc[kRows];
+    for (int r = 0; r < kRows; ++r) acc[r] = hn::Zero(df);
+    for (int d = 0; d < d_size; d += N) {
+      const VF kv = LoadF32(df, k + d);
+      for (int r = 0; r < kRows; ++r)
+        acc[r] = hn::MulAdd(hn::LoadU(df, q + r * d_size + d), kv, acc[r]);
+    }
+    for (int r = 0; r < kRows; ++r) s[r * kChunk + n] = hn::GetLane(hn::SumOfLanes(df, acc[r]));
+  }
+}
+
+// Packs the chunk's keys transposed: kt[d][n] (float), for the register-tiled product.
+template <class T>
+HWY_NOINLINE void PackKeysTransposed(const KeySource& src, int64_t j0, int nc, int d_size,
+                                     float* kt, float* row) {
+  for (int n = 0; n < nc; ++n) {
+    ToFloat(src.key<T>(j0 + n), row, d_size, 1.0f);
+    for (int d = 0; d < d_size; ++d) kt[d * kChunk + n] = row[d];
+  }
+  for (int n = nc; n < kChunk; ++n)
+    for (int d = 0; d < d_size; ++d) kt[d * kChunk + n] = 0.0f;
+}
+
+// S[r][:] for kRows rows from the packed keys, 4 vectors of keys at a time.
+template <int kRows>
+HWY_INLINE void ScoresTile(const float* q, const float* kt, float* s, int d_size) {
+  const DF df;
+  const int N = int(hn::Lanes(df));
+  for (int nb = 0; nb < kChunk; nb += 4 * N) {
+    VF acc[kRows][4];
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = hn::Zero(df);
+    for (int d = 0; d < d_size; ++d) {
+      const float* kd = kt + d * kChunk + nb;
+      const VF k0 = hn::LoadU(df, kd), k1 = hn::LoadU(df, kd + N);
+      const VF k2 = hn::LoadU(df, kd + 2 * N), k3 = hn::LoadU(df, kd + 3 * N);
+      for (int r = 0; r < kRows; ++r) {
+        const VF qv = hn::Set(df, q[r * d_size + d]);
+        acc[r][0] = hn::MulAdd(qv, k0, acc[r][0]);
+        acc[r][1] = hn::MulAdd(qv, k1, acc[r][1]);
+        acc[r][2] = hn::MulAdd(qv, k2, acc[r][2]);
+        acc[r][3] = hn::MulAdd(qv, k3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < 4; ++c) hn::StoreU(acc[r][c], df, s + r * kChunk + nb + c * N);
+  }
+}
+
+HWY_NOINLINE void ScoresManyRows(const float* q, const float* kt, float* s, int rows, int d_size) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) ScoresTile<4>(q + r * d_size, kt, s + r * kChunk, d_size);
+  switch (rows - r) {
+    case 3:
+      ScoresTile<3>(q + r * d_size, kt, s + r * kChunk, d_size);
+      break;
+    case 2:
+      ScoresTile<2>(q + r * d_size, kt, s + r * kChunk, d_size);
+      break;
+    case 1:
+      ScoresTile<1>(q + r * d_size, kt, s + r * kChunk, d_size);
+      break;
+    default:
+      break;
+  }
+}
+
+// o[r][:] = o[r][:] * alpha[r] + sum_n p[r][n] * v[n][:] for kRows rows and kCols vectors of
+// columns starting at column c0.
+template <int kRows, int kCols>
+HWY_INLINE void AccumulateTile(const float* p, const float* alpha, const float* v, float* o, int nc,
+                               int d_size, int c0) {
+  const DF df;
+  const int N = int(hn::Lanes(df));
+  VF acc[kRows][kCols];
+  for (int r = 0; r < kRows; ++r) {
+    const VF a = hn::Set(df, alpha[r]);
+    for (int c = 0; c < kCols; ++c)
+      acc[r][c] = hn::Mul(hn::LoadU(df, o + r * d_size + c0 + c * N), a);
+  }
+  for (int n = 0; n < nc; ++n) {
+    const float* vn = v + n * d_size + c0;
+    for (int r = 0; r < kRows; ++r) {
+      const VF pv = hn::Set(df, p[r * kChunk + n]);
+      for (int c = 0; c < kCols; ++c)
+        acc[r][c] = hn::MulAdd(pv, hn::LoadU(df, vn + c * N), acc[r][c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) hn::StoreU(acc[r][c], df, o + r * d_size + c0 + c * N);
+}
+
+template <int kRows>
+HWY_INLINE void AccumulateRows(const float* p, const float* alpha, const float* v, float* o, int nc,
+                               int d_size) {
+  const int N = int(hn::Lanes(DF()));
+  const int vecs = d_size / N;
+  int c = 0;
+  for (; c + 8 <= vecs; c += 8) AccumulateTile<kRows, 8>(p, alpha, v, o, nc, d_size, c * N);
+  switch (vecs - c) {
+#define PAGEDATTN_CPU_COLS(k)                                    \
+  case k:                                                        \
+    AccumulateTile<kRows, k>(p, alpha, v, o, nc, d_size, c * N); \
+    break;
+    PAGEDATTN_CPU_COLS(1)
+    PAGEDATTN_CPU_COLS(2)
+    PAGEDATTN_CPU_COLS(3)
+    PAGEDATTN_CPU_COLS(4)
+    PAGEDATTN_CPU_COLS(5)
+    PAGEDATTN_CPU_COLS(6)
+    PAGEDATTN_CPU_COLS(7)
+#undef PAGEDATTN_CPU_COLS
+    default:
+      break;
+  }
+}
+
+HWY_NOINLINE void Accumulate(const float* p, const float* alpha, const float* v, float* o, int rows,
+                             int nc, int d_size) {
+  int r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    AccumulateRows<2>(p + r * kChunk, alpha + r, v, o + r * d_size, nc, d_size);
+  }
+  if (r < rows) AccumulateRows<1>(p + r * kChunk, alpha + r, v, o + r * d_size, nc, d_size);
+}
+
+// Turns one row of raw scores into probabilities relative to the running max (updated), and
+// returns the correction factor for what was accumulated before. Scores arrive in
+// "scale * q.k" units (times log2 e unless a soft cap is applied here first).
+HWY_INLINE float SoftmaxRow(const AttentionParams& p, float* s, int nc, int64_t j0, int64_t pos,
+                            int head, float* row_max, float* row_sum) {
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const int N = int(hn::Lanes(df));
+  const VF neg_inf = hn::Set(df, kNegInf);
+  const bool cap = p.soft_cap > 0.0f;
+  const VF cap_v = hn::Set(df, p.soft_cap), inv_cap = hn::Set(df, 1.0f / p.soft_cap);
+  const VF log2e = hn::Set(df, kLog2e);
+  const float slope = p.alibi ? p.alibi[head] * kLog2e : 0.0f;
+  // Key positions of the chunk, relative to the query: j - pos.
+  const auto iota = hn::Iota(di, 0);
+  const int64_t rel0 = j0 - pos;
+  VF mx = neg_inf;
+  for (int n = 0; n < kChunk; n += N) {
+    VF x = hn::LoadU(df, s + n);
+    if (cap) x = hn::Mul(hn::Mul(cap_v, hn::Tanh(df, hn::Mul(x, inv_cap))), log2e);
+    const auto rel_i = hn::Add(iota, hn::Set(di, int32_t(rel0 + n)));
+    const VF rel = hn::ConvertTo(df, rel_i);
+    if (p.alibi) x = hn::MulAdd(hn::Set(df, slope), rel, x);
+    auto visible = hn::Lt(hn::Add(iota, hn::Set(di, n)), hn::Set(di, nc));
+    // Highway 1.0 has only strict integer comparisons: j - pos <= b  <=>  j - pos < b + 1.
+    if (p.causal) visible = hn::And(visible, hn::Lt(rel_i, hn::Set(di, 1)));
+    if (p.window_left >= 0) {
+      visible = hn::And(visible, hn::Gt(rel_i, hn::Set(di, -p.window_left - 1)));
+    }
+    if (p.window_right >= 0) {
+      visible = hn::And(visible, hn::Lt(rel_i, hn::Set(di, p.window_right + 1)));
+    }
+    x = hn::IfThenElse(hn::RebindMask(df, visible), x, neg_inf);
+    hn::StoreU(x, df, s + n);
+    mx = hn::Max(mx, x);
+  }
+  const float chunk_max = hn::GetLane(hn::MaxOfLanes(df, mx));
+  const float old_max = *row_max;
+  const float new_max = std::max(old_max, chunk_max);
+  if (new_max == kNegInf) {  // nothing visible yet: keep zeros
+    for (int n = 0; n < kChunk; n += N) hn::StoreU(hn::Zero(df), df, s + n);
+    return 1.0f;
+  }
+  const VF m = hn::Set(df, new_max);
+  VF sum = hn::Zero(df);
+  for (int n = 0; n < kChunk; n += N) {
+    // exp2(x - m) as exp((x - m) ln 2); masked keys give exp(-inf) = 0.
+    const VF e = hn::Exp(df, hn::Mul(hn::Sub(hn::LoadU(df, s + n), m), hn::Set(df, kLn2)));
+    const VF pr = hn::IfThenZeroElse(hn::Eq(hn::LoadU(df, s + n), neg_inf), e);
+    hn::StoreU(pr, df, s + n);
+    sum = hn::Add(sum, pr);
+  }
+  const float alpha = old_max == kNegInf ? 0.0f : std::exp2(old_max - new_max);
+  *row_sum = *row_sum * alpha + hn::GetLane(hn::SumOfLanes(df, sum));
+  *row_max = new_max;
+  return alpha;
+}
+
+template <class KV>
+void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffers& partials) {
+  const DF df;
+  const int d_size = p.head_size;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int r = w.request;
+  const int64_t q0 = p.query_start_loc[r];
+  const int64_t q_len = p.query_start_loc[r + 1] - q0;
+  const int64_t seq_len = p.paged ? p.seq_lens[r] : q_len;
+  const int64_t context = seq_len - q_len;
+  const int tokens = w.q_end - w.q_begin;
+  const int rows = tokens * group;  // row = token * group + g
+  Scratch& sc = ThreadScratch();
+  sc.reserve(rows, d_size);
+  float* q = sc.q.data();
+  float* o = sc.o.data();
+  float* s = sc.s.data();
+
+  const size_t elem = dtype_size(p.kv_dtype);
+  KeySource src{static_cast<const uint8_t*>(p.k),
+                static_cast<const uint8_t*>(p.v),
+                elem,
+                int64_t(w.kv_head) * p.k_stride_head,
+                int64_t(w.kv_head) * p.v_stride_head,
+                p.paged ? p.block_table + int64_t(r) * p.block_table_stride : nullptr,
+                &p};
+  if (!p.paged) {
+    src.k_row0 += q0 * p.k_stride_token;
+    src.v_row0 += q0 * p.v_stride_token;
+  }
+
+  // Queries, scaled so that q.k comes out in base-2 logit units (or scale units under a cap).
+  const float qscale = (p.soft_cap > 0.0f ? p.scale : p.scale * kLog2e) * p.k_scale;
+  const bool with_sink = p.sinks && w.include_sink;
+  for (int t = 0; t < tokens; ++t) {
+    for (int g = 0; g < group; ++g) {
+      const int row = t * group + g;
+      const int head = w.kv_head * group + g;
+      const int64_t token = q0 + w.q_begin + t;
+      const char* qp =
+          static_cast<const char*>(p.q) +
+          dtype_size(p.q_dtype) * size_t(token * p.q_stride_token + head * p.q_stride_head);
+      VisitFloatType(p.q_dtype, [&](auto* tag) {
+        using Q = std::remove_pointer_t<decltype(tag)>;
+        ToFloat(reinterpret_cast<const Q*>(qp), q + row * d_size, d_size, qscale);
+      });
+      std::fill(o + row * d_size, o + (row + 1) * d_size, 0.0f);
+      // A sink starts the running max and contributes exp2(sink - max) to the sum.
+      sc.row_max[size_t(row)] = with_sink ? p.sinks[head] * kLog2e : kNegInf;
+      sc.row_sum[size_t(row)] = with_sink ? 1.0f : 0.0f;
+    }
+  }
+
+  for (int64_t j0 = w.k_begin; j0 < w.k_end; j0 += kChunk) {
+    const int nc = int(std::min<int64_t>(kChunk, w.k_end - j0));
+    switch (rows) {
+      case 1:
+        ScoresFewRows<1, KV>(src, j0, nc, d_size, q, s);
+        break;
+      case 2:
+        ScoresFewRows<2, KV>(src, j0, nc, d_size, q, s);
+        break;
+      case 3:
+        ScoresFewRows<3, KV>(src, j0, nc, d_size, q, s);
+        break;
+      case 4:
+        ScoresFewRows<4, KV>(src, j0, nc, d_size, q, s);
+        break;
+      case 5:
+        ScoresFewRows<5, KV>(src, j0, nc, d_size, q, s);
+        break;
+      case 6:
+        ScoresFewRows<6, KV>(src, j0, nc, d_size, q, s);
+        break;
+      case 7:
+        ScoresFewRows<7, KV>(src, j0, nc, d_size, q, s);
+        break;
+      case 8:
+        ScoresFewRows<8, KV>(src, j0, nc, d_size, q, s);
+        break;
+      default:
+        PackKeysTransposed<KV>(src, j0, nc, d_size, sc.kt.data(), sc.v.data());
+        ScoresManyRows(q, sc.kt.data(), s, rows, d_size);
+        break;
+    }
+    for (int row = 0; row < rows; ++row) {
+      const int t = row / group;
+      const int head = w.kv_head * group + row % group;
+      sc.row_alpha[size_t(row)] =
+          SoftmaxRow(p, s + row * kChunk, nc, j0, context + w.q_begin + t, head,
+                     &sc.row_max[size_t(row)], &sc.row_sum[size_t(row)]);
+    }
+    for (int n = 0; n < nc; ++n)
+      ToFloat(src.value<KV>(j0 + n), sc.v.data() + n * d_size, d_size, 1.0f);
+    Accumulate(s, sc.row_alpha.data(), sc.v.data(), o, rows, nc, d_size);
+  }
+
+  // Normalise and store: the final output, or this split's partial result.
+  for (int row = 0; row < rows; ++row) {
+    const int t = row / group;
+    const int head = w.kv_head * group + row % group;
+    const int64_t token = q0 + w.q_begin + t;
+    const float l = sc.row_sum[size_t(row)];
+    const float inv = l > 0.0f ? p.v_scale / l : 0.0f;
+    const float lse = l > 0.0f ? (sc.row_max[size_t(row)] + std::log2(l)) * kLn2 : kNegInf;
+    float* orow = o + row * d_size;
+    for (int d = 0; d < d_size; d += int(hn::Lanes(df))) {
+      hn::StoreU(hn::Mul(hn::LoadU(df, orow + d), hn::Set(df, inv)), df, orow + d);
+    }
+    if (w.split >= 0) {
+      const int64_t slot = int64_t(w.split) * partials.rows_stride + row;
+      std::memcpy(partials.out + slot * d_size, orow, sizeof(float) * size_t(d_size));
+      partials.lse[slot] = lse;
+      continue;
+    }
+    char* op =
+        static_cast<char*>(p.out) +
+        dtype_size(p.out_dtype) * size_t(token * p.out_stride_token + head * p.out_stride_head);
+    if (p.out_dtype == DType::kF64) {
+      for (int d = 0; d < d_size; ++d) reinterpret_cast<double*>(op)[d] = orow[d];
+    } else {
+      ConvertRow(orow, DType::kF32, op, p.out_dtype, d_size, 1.0f);
+    }
+    if (p.lse) {
+      store_element(p.lse, p.lse_dtype, head * p.lse_stride_head + token * p.lse_stride_token, lse);
+    }
+  }
+}
+
+void AttendItem(const AttentionParams& p, const WorkItem& w, const PartialBuffers& partials) {
+  switch (p.kv_dtype) {
+    case DType::kF32:
+      return AttendTyped<float>(p, w, partials);
+    case DType::kF16:
+      return AttendTyped<hwy::float16_t>(p, w, partials);
+    case DType::kBF16:
+      return AttendTyped<hwy::bfloat16_t>(p, w, partials);
+    case DType::kFp8E4M3:
+      return AttendTyped<E4M3>(p, w, partials);
+    case DType::kFp8E5M2:
+      return AttendTyped<E5M2>(p, w, partials);
+    default:
+      detail::fail("cpu: unsupported KV cache type ", dtype_name(p.kv_dtype));
+  }
+}
+
+void MergeSplits(const AttentionParams& p, const WorkItem& w, int first, int count,
+                 const PartialBuffers& partials) {
+  const DF df;
+  const int d_size = p.head_size;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int rows = (w.q_end - w.q_begin) * group;
+  const int64_t q0 = p.query_start_loc[w.request];
+  std::vector<float> acc(static_cast<size_t>(d_size));
+  for (int row = 0; row < rows; ++row) {
+    float m = kNegInf;
+    for (int i = 0; i < count; ++i)
+      m = std::max(m, partials.lse[(first + i) * partials.rows_stride + row]);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    float total = 0.0f;
+    if (m != kNegInf) {
+      for (int i = 0; i < count; ++i) {
+        const int64_t slot = (first + i) * partials.rows_stride + row;
+        const float wgt = std::exp(partials.lse[slot] - m);
+        if (wgt == 0.0f) continue;  // an empty split's output is never read
+        total += wgt;
+        const VF wv = hn::Set(df, wgt);
+        for (int d = 0; d < d_size; d += int(hn::Lanes(df))) {
+          hn::StoreU(hn::MulAdd(wv, hn::LoadU(df, partials.out + slot * d_size + d),
+                                hn::LoadU(df, acc.data() + d)),
+                     df, acc.data() + d);
+        }
+      }
+      for (float& x : acc) x /= total;
+    }
+    const float lse = m == kNegInf ? kNegInf : m + std::log(total);
+    const int head = w.kv_head * group + row % group;
+    const int64_t token = q0 + w.q_begin + row / group;
+    char* op =
+        static_cast<char*>(p.out) +
+        dtype_size(p.out_dtype) * size_t(token * p.out_stride_token + head * p.out_stride_head);
+    if (p.out_dtype == DType::kF64) {
+      for (int d = 0; d < d_size; ++d) reinterpret_cast<double*>(op)[d] = acc[size_t(d)];
+    } else {
+      ConvertRow(acc.data(), DType::kF32, op, p.out_dtype, d_size, 1.0f);
+    }
+    if (p.lse) {
+      store_element(p.lse, p.lse_dtype, head * p.lse_stride_head + token * p.lse_stride_token, lse);
+    }
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace pagedattn::cpu
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace pagedattn::cpu {
+
+HWY_EXPORT(AttendItem);
+HWY_EXPORT(MergeSplits);
+HWY_EXPORT(ConvertRow);
+HWY_EXPORT(AmaxRow);
+
+void attend_item(const AttentionParams& p, const WorkItem& item, const PartialBuffers& partials) {
+  HWY_DYNAMIC_DISPATCH(AttendItem)(p, item, partials);
+}
+void merge_splits(const AttentionParams& p, const WorkItem& item, int first_split, int num_splits,
+                  const PartialBuffers& partials) {
+  HWY_DYNAMIC_DISPATCH(MergeSplits)(p, item, first_split, num_splits, partials);
+}
+void convert_row(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n,
+                 float scale) {
+  HWY_DYNAMIC_DISPATCH(ConvertRow)(src, src_dtype, dst, dst_dtype, n, scale);
+}
+float amax_row(const void* src, DType dtype, int64_t n) {
+  return HWY_DYNAMIC_DISPATCH(AmaxRow)(src, dtype, n);
+}
+
+std::vector<std::string> available_targets() {
+  std::vector<std::string> names;
+  for (int64_t t : hwy::SupportedAndGeneratedTargets()) names.emplace_back(hwy::TargetName(t));
+  return names;
+}
+
+bool force_target(const std::string& name) {
+  if (name.empty()) {
+    hwy::SetSupportedTargetsForTest(0);
+    return true;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  for (int64_t t : hwy::SupportedAndGeneratedTargets()) {
+    if (name == hwy::TargetName(t)) {
+      hwy::SetSupportedTargetsForTest(t);
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string current_target() {
+  const auto targets = hwy::SupportedAndGeneratedTargets();
+  return targets.empty() ? "none" : hwy::TargetName(targets.front());
+}
+
+}  // namespace pagedattn::cpu
+#endif  // HWY_ONCE
