@@ -48,6 +48,36 @@ constexpr int kChunk = 64;  // keys per chunk: a multiple of every target's lane
 struct E4M3 {};
 struct E5M2 {};
 
+// NaN lanes. Highway 1.0's float Ne() is an ordered compare (false for NaN) on AVX2/AVX-512.
+HWY_INLINE auto NaNMask(VF v) {
+  return hn::Not(hn::Eq(v, v));
+}
+
+// Half -> float from the bits in u16 lanes. F16C targets use the instruction; Highway's
+// emulation elsewhere turns infinities and NaN into finite numbers, so those targets decode
+// here (exponent 31 -> 255, subnormals through an exact integer-to-float conversion).
+HWY_INLINE VF HalfToF32(DF df, hn::Vec<hn::Rebind<uint16_t, DF>> h) {
+#if HWY_TARGET <= HWY_AVX2 || HWY_ARCH_ARM
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  return hn::PromoteTo(df, hn::BitCast(dh, h));
+#else
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const auto bits = hn::PromoteTo(du, h);
+  const auto sign = hn::ShiftLeft<31>(hn::ShiftRight<15>(bits));
+  const auto exp = hn::And(hn::ShiftRight<10>(bits), hn::Set(du, 0x1f));
+  const auto man = hn::And(bits, hn::Set(du, 0x3ff));
+  const auto sub = hn::BitCast(
+      du, hn::Mul(hn::ConvertTo(df, hn::BitCast(di, man)), hn::Set(df, std::ldexp(1.0f, -24))));
+  const auto normal =
+      hn::Or(hn::ShiftLeft<23>(hn::Add(exp, hn::Set(du, 127 - 15))), hn::ShiftLeft<13>(man));
+  const auto special = hn::Or(hn::Set(du, 0x7f800000u), hn::ShiftLeft<13>(man));
+  auto out = hn::IfThenElse(hn::Eq(exp, hn::Zero(du)), sub, normal);
+  out = hn::IfThenElse(hn::Eq(exp, hn::Set(du, 0x1f)), special, out);
+  return hn::BitCast(df, hn::Or(out, sign));
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Loads of Lanes(df) elements, converted to float.
 
@@ -59,17 +89,16 @@ HWY_INLINE VF LoadF32(DF df, const hwy::bfloat16_t* p) {
   return hn::PromoteTo(df, hn::LoadU(dbf, p));
 }
 HWY_INLINE VF LoadF32(DF df, const hwy::float16_t* p) {
-  const hn::Rebind<hwy::float16_t, DF> dh;
-  return hn::PromoteTo(df, hn::LoadU(dh, p));
+  const hn::Rebind<uint16_t, DF> d16;
+  return HalfToF32(df, hn::LoadU(d16, reinterpret_cast<const uint16_t*>(p)));
 }
 // e5m2 is the upper byte of an IEEE half: shift it into place and let the half conversion
 // handle subnormals, infinities and NaN exactly.
 HWY_INLINE VF LoadF32(DF df, const E5M2* p) {
   const hn::Rebind<uint8_t, DF> d8;
   const hn::Rebind<uint16_t, DF> d16;
-  const hn::Rebind<hwy::float16_t, DF> dh;
   const auto b = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const uint8_t*>(p)));
-  return hn::PromoteTo(df, hn::BitCast(dh, hn::ShiftLeft<8>(b)));
+  return HalfToF32(df, hn::ShiftLeft<8>(b));
 }
 // e4m3fn: sign to bit 15, exponent+mantissa to bits 7..13 of a half, then scale by 2^8 (the
 // bias difference 15 - 7). Exact for normals and subnormals; the one NaN code (S.1111.111)
@@ -77,11 +106,10 @@ HWY_INLINE VF LoadF32(DF df, const E5M2* p) {
 HWY_INLINE VF LoadF32(DF df, const E4M3* p) {
   const hn::Rebind<uint8_t, DF> d8;
   const hn::Rebind<uint16_t, DF> d16;
-  const hn::Rebind<hwy::float16_t, DF> dh;
   const auto b = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const uint8_t*>(p)));
   const auto h = hn::Or(hn::ShiftLeft<8>(hn::And(b, hn::Set(d16, 0x80))),
                         hn::ShiftLeft<7>(hn::And(b, hn::Set(d16, 0x7f))));
-  const VF x = hn::Mul(hn::PromoteTo(df, hn::BitCast(dh, h)), hn::Set(df, 256.0f));
+  const VF x = hn::Mul(HalfToF32(df, h), hn::Set(df, 256.0f));
   return hn::IfThenElse(hn::Eq(hn::Abs(x), hn::Set(df, 480.0f)),
                         hn::Set(df, std::numeric_limits<float>::quiet_NaN()), x);
 }
@@ -92,10 +120,7 @@ HWY_INLINE VF LoadF32(DF df, const E4M3* p) {
 HWY_INLINE void StoreF32(DF df, VF v, float* p) {
   hn::StoreU(v, df, p);
 }
-HWY_INLINE void StoreF32(DF, VF v, hwy::float16_t* p) {
-  const hn::Rebind<hwy::float16_t, DF> dh;
-  hn::StoreU(hn::DemoteTo(dh, v), dh, p);
-}
+
 // Highway's bf16 demotion truncates; round to nearest even by hand, keeping NaN quiet.
 HWY_INLINE void StoreF32(DF, VF v, hwy::bfloat16_t* p) {
   const hn::RebindToUnsigned<DF> du;
@@ -104,22 +129,30 @@ HWY_INLINE void StoreF32(DF, VF v, hwy::bfloat16_t* p) {
   const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1));
   auto r = hn::ShiftRight<16>(hn::Add(hn::Add(u, hn::Set(du, 0x7fff)), lsb));
   const auto nan = hn::Or(hn::ShiftRight<16>(u), hn::Set(du, 0x40));
-  r = hn::IfThenElse(hn::RebindMask(du, hn::Ne(v, v)), nan, r);
+  r = hn::IfThenElse(hn::RebindMask(du, NaNMask(v)), nan, r);
   const hn::RebindToSigned<DF> di;
   hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, r)), d16, reinterpret_cast<uint16_t*>(p));
 }
 
-// fp8 encoding of x (already divided by the scale): saturating, round to nearest even,
-// bit-identical to float_to_fp8_* in src/core/dtype.cpp.
-template <int kManBits, int kBias>
-HWY_INLINE void StoreFp8(DF df, VF x, uint8_t* p, float max_finite) {
+// Encodes x into a small float format (sign, exponent, kManBits mantissa bits, IEEE bias and
+// subnormals), rounding to nearest even; returns the code in the low bits of each u32 lane.
+// kSaturate: magnitudes past the largest finite value give it (fp8 SATFINITE); otherwise they
+// give infinity (IEEE half). NaN stays NaN. Bit-identical to the scalar encoders of dtype.cpp.
+template <int kExpBits, int kManBits, bool kSaturate>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> EncodeSmallFloat(DF df, VF x, float max_finite,
+                                                              uint32_t nan_code) {
   const hn::RebindToUnsigned<DF> du;
   const hn::RebindToSigned<DF> di;
-  const hn::Rebind<uint8_t, DF> d8;
+  constexpr int kBias = (1 << (kExpBits - 1)) - 1;
   constexpr int kMinExp = 1 - kBias;
-  const auto sign = hn::ShiftRight<24>(hn::And(hn::BitCast(du, x), hn::Set(du, 0x80000000u)));
-  const VF a = hn::Min(hn::Abs(x), hn::Set(df, max_finite));  // saturate (inf included)
-  // Normal numbers: round the float mantissa to kManBits bits (carry may bump the exponent).
+  constexpr int kSignShift = 31 - (kExpBits + kManBits);
+  const auto sign =
+      hn::ShiftRight<kSignShift>(hn::And(hn::BitCast(du, x), hn::Set(du, 0x80000000u)));
+  // Saturating formats clamp to the largest finite value; IEEE ones to the first power of two
+  // past it, which encodes as infinity (and anything that rounds that far does too).
+  const float clamp = kSaturate ? max_finite : std::ldexp(1.0f, kBias + 1);
+  const VF a = hn::Min(hn::Abs(x), hn::Set(df, clamp));
+  // Normal numbers: round the float mantissa to kManBits bits (a carry bumps the exponent).
   const auto bits = hn::BitCast(du, a);
   constexpr int kDrop = 23 - kManBits;
   const auto lsb = hn::And(hn::ShiftRight<kDrop>(bits), hn::Set(du, 1));
@@ -132,15 +165,37 @@ HWY_INLINE void StoreFp8(DF df, VF x, uint8_t* p, float max_finite) {
   const auto sub = hn::BitCast(du, hn::ConvertTo(di, units));
   auto code = hn::IfThenElse(hn::RebindMask(du, hn::Lt(a, hn::Set(df, std::ldexp(1.0f, kMinExp)))),
                              sub, normal);
-  code = hn::IfThenElse(hn::RebindMask(du, hn::Ne(x, x)), hn::Set(du, 0x7f), code);
-  code = hn::Or(code, sign);
+  code = hn::IfThenElse(hn::RebindMask(du, NaNMask(x)), hn::Set(du, nan_code), code);
+  return hn::Or(code, sign);
+}
+
+// fp8 stores of x (already divided by the scale).
+template <int kExpBits, int kManBits>
+HWY_INLINE void StoreFp8(DF df, VF x, uint8_t* p, float max_finite) {
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint8_t, DF> d8;
+  const auto code = EncodeSmallFloat<kExpBits, kManBits, true>(df, x, max_finite, 0x7f);
   hn::StoreU(hn::DemoteTo(d8, hn::BitCast(di, code)), d8, p);
 }
+// Half stores: the F16C instruction where the target has it (it rounds to nearest even);
+// Highway's emulation on older targets truncates, so those use the exact encoder.
+HWY_INLINE void StoreF32(DF df, VF v, hwy::float16_t* p) {
+#if HWY_TARGET <= HWY_AVX2 || HWY_ARCH_ARM
+  (void)df;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  hn::StoreU(hn::DemoteTo(dh, v), dh, p);
+#else
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint16_t, DF> d16;
+  const auto code = EncodeSmallFloat<5, 10, false>(df, v, 65504.0f, 0x7fff);
+  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, code)), d16, reinterpret_cast<uint16_t*>(p));
+#endif
+}
 HWY_INLINE void StoreF32(DF df, VF v, E4M3* p) {
-  StoreFp8<3, 7>(df, v, reinterpret_cast<uint8_t*>(p), 448.0f);
+  StoreFp8<4, 3>(df, v, reinterpret_cast<uint8_t*>(p), 448.0f);
 }
 HWY_INLINE void StoreF32(DF df, VF v, E5M2* p) {
-  StoreFp8<2, 15>(df, v, reinterpret_cast<uint8_t*>(p), 57344.0f);
+  StoreFp8<5, 2>(df, v, reinterpret_cast<uint8_t*>(p), 57344.0f);
 }
 
 // Calls f(type tag pointer) for a float dtype.
@@ -212,7 +267,7 @@ float AmaxRow(const void* src, DType dtype, int64_t n) {
     const T* s = static_cast<const T*>(src);
     for (; i + N <= n; i += N) {
       const VF x = LoadF32(df, s + i);
-      nan |= !hn::AllFalse(df, hn::Ne(x, x));
+      nan |= !hn::AllFalse(df, NaNMask(x));
       m = hn::Max(m, hn::Abs(x));
     }
   });

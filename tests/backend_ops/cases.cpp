@@ -184,6 +184,23 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
   m.add("batch", base, {{0, 0}, {0, 0}});
   m.add("batch", base, {{0, 0}, {33, 5}, {0, 0}}, 7);
   m.add("batch", base, {{48, 4}, {48, 9, 3}, {32, 1, 2}});  // prefix sharing
+  // Long contexts with few (request, KV head) pairs: backends split the keys across threads
+  // (or CTAs) and merge by LSE; sinks must then count once, windows cut some splits empty.
+  {
+    AttentionConfig c = base;
+    c.num_kv_heads = 1;
+    m.add("split", c, {{2500, 1}});
+    m.add("split", c, {{1800, 4}});
+    c.sinks = {1, 2, 3, 4, 0, -1, -2, 5};
+    m.add("split", c, {{2100, 1}});
+    c.sliding_window = 700;
+    m.add("split", c, {{3000, 2}});
+    c.sinks.clear();
+    c.kv_cache_dtype = KVCacheDType::kFp8E5M2;
+    c.head_size = 128;
+    c.scale = 0;
+    m.add("split", c, {{1500, 1}, {40, 1}});
+  }
   {
     AttentionConfig c = base;
     c.scale = 0.6f;  // peaky softmax: large logit differences

@@ -13,6 +13,9 @@
 #include "pagedattn/error.h"
 #include "pagedattn/registry.h"
 #include "ref/ref_backend.h"
+#if PAGEDATTN_WITH_CPU_BACKEND
+#include "cpu/cpu_kernels.h"
+#endif
 
 namespace pagedattn::backend_ops {
 namespace {
@@ -22,6 +25,7 @@ struct Options {
   std::string filter;
   std::string device = "cpu";
   uint32_t seed = 20261202;
+  std::string cpu_target;  // force one SIMD target of the cpu backend ("all": each in turn)
   int repeats = 5;
   bool verbose = false;
 };
@@ -83,7 +87,33 @@ Tally run_all(const Backend& b, const std::vector<OpCase>& cases, const Options&
   return t;
 }
 
+int cmd_test(const Options& o);
+
+// Runs the test once per requested SIMD target of the cpu backend.
+int cmd_test_targets(const Options& o) {
+#if PAGEDATTN_WITH_CPU_BACKEND
+  std::vector<std::string> targets = {o.cpu_target};
+  if (o.cpu_target == "all") targets = cpu::available_targets();
+  int rc = 0;
+  for (const auto& t : targets) {
+    if (!cpu::force_target(t)) {
+      throw InvalidArgument("--cpu-target '" + t + "' is not available on this CPU");
+    }
+    std::printf("== cpu SIMD target %s\n", cpu::current_target().c_str());
+    Options one = o;
+    one.cpu_target.clear();
+    rc |= cmd_test(one);
+  }
+  cpu::force_target("");
+  return rc;
+#else
+  (void)o;
+  throw InvalidArgument("--cpu-target: this build has no cpu backend");
+#endif
+}
+
 int cmd_test(const Options& o) {
+  if (!o.cpu_target.empty()) return cmd_test_targets(o);
   const auto cases = selected_cases(o);
   auto under_test = backends_under_test(o);
   const auto lowp = ref::make_backend(ref::Precision::kLowPrecision);
@@ -175,9 +205,12 @@ int main(int argc, char** argv) {
     c->add_option("--seed", o.seed, "base seed of the random inputs");
     c->add_flag("-v,--verbose", o.verbose, "print every case");
   };
-  add_common(app.add_subcommand("test", "compare every backend with ref")->callback([&] {
+  auto* test = app.add_subcommand("test", "compare every backend with ref")->callback([&] {
     rc = cmd_test(o);
-  }));
+  });
+  add_common(test);
+  test->add_option("--cpu-target", o.cpu_target,
+                   "cpu backend: force a SIMD target (AVX3, AVX2, SSE4, SSSE3, SCALAR) or 'all'");
   add_common(app.add_subcommand("support", "which cases each backend supports")->callback([&] {
     rc = cmd_support(o);
   }));
