@@ -1,5 +1,8 @@
 #include "pagedattn/device.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -24,16 +27,28 @@ std::string to_string(Device device) {
 namespace {
 
 class CpuRuntime final : public DeviceRuntime {
+  static constexpr size_t kHugePage = size_t(2) << 20;
+  static constexpr size_t kHugeThreshold = size_t(4) << 20;
+
  public:
   int device_count() const override { return 1; }
   void* allocate(size_t bytes, int) override {
-    // 64-byte alignment covers every SIMD width the CPU backend uses.
-    const size_t rounded = (bytes + 63) / 64 * 64;
-    void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+    // 64-byte alignment covers every SIMD width the CPU backend uses. Large buffers (KV
+    // caches) are 2 MiB aligned and asked to use transparent huge pages: attention walks
+    // shuffled blocks, and with 4 KiB pages nearly every block would miss the TLB.
+    const bool huge = bytes >= kHugeThreshold;
+    const size_t align = huge ? kHugePage : 64;
+    const size_t rounded = std::max<size_t>((bytes + align - 1) / align * align, align);
+    void* p = std::aligned_alloc(align, rounded);
     if (!p) detail::fail<Error>("cpu: cannot allocate ", bytes, " bytes");
+#ifdef MADV_HUGEPAGE
+    if (huge) madvise(p, rounded, MADV_HUGEPAGE);  // advice only: failure is harmless
+#endif
     return p;
   }
-  void deallocate(void* ptr, int) override { std::free(ptr); }
+  void deallocate(void* ptr, int) override {
+    std::free(ptr);
+  }
   void copy(void* dst, Device dst_device, const void* src, Device src_device,
             size_t bytes) override {
     detail::require(dst_device.is_cpu() && src_device.is_cpu(), "cpu runtime: cannot copy from ",

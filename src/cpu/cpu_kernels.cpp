@@ -23,8 +23,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "cpu/cpu_bf16_dot.h"
 #include "cpu/cpu_kernels.h"
 #include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
@@ -286,6 +288,9 @@ float AmaxRow(const void* src, DType dtype, int64_t n) {
 // Per-thread scratch, grown on demand (never shrunk).
 struct Scratch {
   std::vector<float> q, o, s, kt, v, row_max, row_sum, row_alpha;
+  // The bf16 path: queries, packed keys and values, and fp8 rows converted to bf16.
+  std::vector<uint16_t> qb, kv16;
+  std::vector<uint32_t> kp, vp;
   void reserve(int rows, int head_size) {
     auto grow = [](std::vector<float>& b, size_t n) {
       if (b.size() < n) b.resize(n);
@@ -299,6 +304,15 @@ struct Scratch {
     grow(row_sum, size_t(rows));
     grow(row_alpha, size_t(rows));
   }
+  void reserve_bf16(int rows, int head_size) {
+    auto grow = [](auto& b, size_t n) {
+      if (b.size() < n) b.resize(n);
+    };
+    grow(qb, size_t(rows) * head_size);
+    grow(kv16, size_t(2 * kChunk) * head_size);
+    grow(kp, size_t(head_size / 2) * kChunk);
+    grow(vp, size_t(kChunk / 2) * head_size);
+  }
 };
 
 Scratch& ThreadScratch() {
@@ -306,59 +320,90 @@ Scratch& ThreadScratch() {
   return scratch;
 }
 
-// Where one request's keys and values are.
+// Where one request's keys and values are: key(j, h) is key position j of KV head h.
 struct KeySource {
   const uint8_t* k;
   const uint8_t* v;
   size_t elem;
-  int64_t k_row0, v_row0;  // element offset of the KV head (and, unpaged, the first row)
+  int64_t k_row0, v_row0;  // unpaged: element offset of the request's first row
   const int32_t* blocks;   // the request's block table row, or null (unpaged)
   const AttentionParams* p;
+};
 
-  template <class T>
-  const T* key(int64_t j) const {
-    return reinterpret_cast<const T*>(
-        k + elem * size_t(offset(j, p->k_stride_block, p->k_stride_token, k_row0)));
-  }
-  template <class T>
-  const T* value(int64_t j) const {
-    return reinterpret_cast<const T*>(
-        v + elem * size_t(offset(j, p->v_stride_block, p->v_stride_token, v_row0)));
-  }
-  int64_t offset(int64_t j, int64_t stride_block, int64_t stride_token, int64_t row0) const {
-    if (!blocks) return row0 + j * stride_token;
-    const int bs = p->block_size;
-    return row0 + int64_t(blocks[j / bs]) * stride_block + (j % bs) * stride_token;
+// The K and V token rows (KV head 0) of one chunk of keys, resolved once through the block
+// table: walking the chunk in order needs one division, not one per key and head.
+struct ChunkRows {
+  const uint8_t* k[64];
+  const uint8_t* v[64];
+  void resolve(const KeySource& src, int64_t j0, int nc) {
+    const AttentionParams& p = *src.p;
+    const int64_t ek = int64_t(src.elem);
+    if (!src.blocks) {
+      for (int n = 0; n < nc; ++n) {
+        k[n] = src.k + ek * (src.k_row0 + (j0 + n) * p.k_stride_token);
+        v[n] = src.v + ek * (src.v_row0 + (j0 + n) * p.v_stride_token);
+      }
+      return;
+    }
+    const int bs = p.block_size;
+    int64_t block = j0 / bs, off = j0 % bs;
+    for (int n = 0; n < nc; ++n) {
+      const int64_t b = src.blocks[block];
+      k[n] = src.k + ek * (b * p.k_stride_block + off * p.k_stride_token);
+      v[n] = src.v + ek * (b * p.v_stride_block + off * p.v_stride_token);
+      if (++off == bs) {
+        off = 0;
+        ++block;
+      }
+    }
   }
 };
 
-// S[r][n] for kRows rows (decode): each key row is converted once in registers and dotted with
-// every query row. Q is [rows x D], S is [rows x kChunk].
+// S[r][n] for kRows rows per KV head (decode): key row n of each head is converted once in
+// registers and dotted with the rows of that head. Heads are the inner loop so that a token's
+// K rows are read in address order (an NHD token row holds every head). Q and S rows of head
+// hl start at hl * kRows.
 template <int kRows, class T>
-HWY_NOINLINE void ScoresFewRows(const KeySource& src, int64_t j0, int nc, int d_size,
-                                const float* q, float* s) {
+HWY_NOINLINE void ScoresFewRows(const ChunkRows& rows, int64_t head_stride, int nc, int h0,
+                                int heads, int d_size, const float* q, float* s) {
   const DF df;
   const int N = int(hn::Lanes(df));
   for (int n = 0; n < nc; ++n) {
-    const T* k = src.key<T>(j0 + n);
-    if (n + 4 < nc) hwy::Prefetch(src.key<T>(j0 + n + 4));
-    VF acc[kRows];
-    for (int r = 0; r < kRows; ++r) acc[r] = hn::Zero(df);
-    for (int d = 0; d < d_size; d += N) {
-      const VF kv = LoadF32(df, k + d);
-      for (int r = 0; r < kRows; ++r)
-        acc[r] = hn::MulAdd(hn::LoadU(df, q + r * d_size + d), kv, acc[r]);
+    const T* k_row = reinterpret_cast<const T*>(rows.k[n]) + h0 * head_stride;
+    for (int hl = 0; hl < heads; ++hl) {
+      const T* k = k_row + hl * head_stride;
+      const float* qh = q + hl * kRows * d_size;
+      // Two accumulators per row halve the dependent FMA chain along the head dimension.
+      VF acc0[kRows], acc1[kRows];
+      for (int r = 0; r < kRows; ++r) acc0[r] = acc1[r] = hn::Zero(df);
+      int d = 0;
+      for (; d + 2 * N <= d_size; d += 2 * N) {
+        const VF k0 = LoadF32(df, k + d), k1 = LoadF32(df, k + d + N);
+        for (int r = 0; r < kRows; ++r) {
+          acc0[r] = hn::MulAdd(hn::LoadU(df, qh + r * d_size + d), k0, acc0[r]);
+          acc1[r] = hn::MulAdd(hn::LoadU(df, qh + r * d_size + d + N), k1, acc1[r]);
+        }
+      }
+      if (d < d_size) {
+        const VF k0 = LoadF32(df, k + d);
+        for (int r = 0; r < kRows; ++r) {
+          acc0[r] = hn::MulAdd(hn::LoadU(df, qh + r * d_size + d), k0, acc0[r]);
+        }
+      }
+      float* sh = s + hl * kRows * kChunk;
+      for (int r = 0; r < kRows; ++r) {
+        sh[r * kChunk + n] = hn::GetLane(hn::SumOfLanes(df, hn::Add(acc0[r], acc1[r])));
+      }
     }
-    for (int r = 0; r < kRows; ++r) s[r * kChunk + n] = hn::GetLane(hn::SumOfLanes(df, acc[r]));
   }
 }
 
 // Packs the chunk's keys transposed: kt[d][n] (float), for the register-tiled product.
 template <class T>
-HWY_NOINLINE void PackKeysTransposed(const KeySource& src, int64_t j0, int nc, int d_size,
+HWY_NOINLINE void PackKeysTransposed(const ChunkRows& rows, int64_t head_offset, int nc, int d_size,
                                      float* kt, float* row) {
   for (int n = 0; n < nc; ++n) {
-    ToFloat(src.key<T>(j0 + n), row, d_size, 1.0f);
+    ToFloat(reinterpret_cast<const T*>(rows.k[n]) + head_offset, row, d_size, 1.0f);
     for (int d = 0; d < d_size; ++d) kt[d * kChunk + n] = row[d];
   }
   for (int n = nc; n < kChunk; ++n)
@@ -526,6 +571,78 @@ HWY_INLINE float SoftmaxRow(const AttentionParams& p, float* s, int nc, int64_t 
   return alpha;
 }
 
+// Asks for the K and V rows of keys [j0, j1) and KV heads [h0, h0 + heads) (every cache line),
+// one chunk ahead of their use: paged blocks are scattered, so the hardware prefetchers see only
+// short runs. Heads adjacent in memory (NHD) are fetched as one span.
+template <class T>
+HWY_INLINE void PrefetchRows(const KeySource& src, const ChunkRows& rows, int nc, int h0, int heads,
+                             int d_size) {
+  const AttentionParams& p = *src.p;
+  const bool adjacent = p.k_stride_head == d_size && p.v_stride_head == d_size;
+  const int spans = adjacent ? 1 : heads;
+  const int span_bytes = (adjacent ? heads : 1) * d_size * int(sizeof(T));
+  for (int n = 0; n < nc; ++n) {
+    for (int i = 0; i < spans; ++i) {
+      const char* k =
+          reinterpret_cast<const char*>(rows.k[n]) + sizeof(T) * size_t((h0 + i) * p.k_stride_head);
+      const char* v =
+          reinterpret_cast<const char*>(rows.v[n]) + sizeof(T) * size_t((h0 + i) * p.v_stride_head);
+      for (int b = 0; b < span_bytes; b += 64) {
+        hwy::Prefetch(k + b);
+        hwy::Prefetch(v + b);
+      }
+    }
+  }
+}
+
+// Writes one finished row (float, normalised) to the output and its LSE.
+HWY_INLINE void StoreOutputRow(const AttentionParams& p, int64_t token, int head, const float* row,
+                               float lse) {
+  char* op =
+      static_cast<char*>(p.out) +
+      dtype_size(p.out_dtype) * size_t(token * p.out_stride_token + head * p.out_stride_head);
+  if (p.out_dtype == DType::kF64) {
+    for (int d = 0; d < p.head_size; ++d) reinterpret_cast<double*>(op)[d] = row[d];
+  } else {
+    ConvertRow(row, DType::kF32, op, p.out_dtype, p.head_size, 1.0f);
+  }
+  if (p.lse) {
+    store_element(p.lse, p.lse_dtype, head * p.lse_stride_head + token * p.lse_stride_token, lse);
+  }
+}
+
+// Rows of an item: (KV head hl, token t, query head g) -> hl * tokens * group + t * group + g.
+struct RowMap {
+  int group, tokens, kv_head0;
+  int rows_per_head() const { return tokens * group; }
+  int head(int row) const { return (kv_head0 + row / rows_per_head()) * group + row % group; }
+  int token(int row) const { return (row % rows_per_head()) / group; }
+};
+
+// The bf16 pair-dot path (x86 AVX512-BF16): bf16 queries against bf16 or fp8 caches, whose
+// values bf16 holds exactly. Row pointers of one head's chunk, as bf16 (fp8 rows are converted
+// into `tmp` first).
+template <class KV>
+HWY_INLINE void ChunkRowsBf16(const uint8_t* const* rows, int64_t head_offset, int nc, int d_size,
+                              uint16_t* tmp, const uint16_t** out) {
+  for (int n = 0; n < nc; ++n) {
+    const KV* r = reinterpret_cast<const KV*>(rows[n]) + head_offset;
+    if constexpr (std::is_same_v<KV, hwy::bfloat16_t>) {
+      out[n] = reinterpret_cast<const uint16_t*>(r);
+    } else {
+      const DF df;
+      const int N = int(hn::Lanes(df));
+      auto* dst = reinterpret_cast<hwy::bfloat16_t*>(tmp + n * d_size);
+      for (int d = 0; d < d_size; d += N) StoreF32(df, LoadF32(df, r + d), dst + d);
+      out[n] = tmp + n * d_size;
+    }
+  }
+}
+
+template <class KV>
+constexpr bool kBf16Exact =
+    std::is_same_v<KV, hwy::bfloat16_t> || std::is_same_v<KV, E4M3> || std::is_same_v<KV, E5M2>;
+
 template <class KV>
 void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffers& partials) {
   const DF df;
@@ -536,98 +653,134 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
   const int64_t q_len = p.query_start_loc[r + 1] - q0;
   const int64_t seq_len = p.paged ? p.seq_lens[r] : q_len;
   const int64_t context = seq_len - q_len;
-  const int tokens = w.q_end - w.q_begin;
-  const int rows = tokens * group;  // row = token * group + g
+  const RowMap map{group, w.q_end - w.q_begin, w.kv_head};
+  const int per_head = map.rows_per_head();
+  const int heads = w.num_kv_heads;
+  const int rows = per_head * heads;
   Scratch& sc = ThreadScratch();
   sc.reserve(rows, d_size);
   float* q = sc.q.data();
   float* o = sc.o.data();
   float* s = sc.s.data();
 
-  const size_t elem = dtype_size(p.kv_dtype);
   KeySource src{static_cast<const uint8_t*>(p.k),
                 static_cast<const uint8_t*>(p.v),
-                elem,
-                int64_t(w.kv_head) * p.k_stride_head,
-                int64_t(w.kv_head) * p.v_stride_head,
+                dtype_size(p.kv_dtype),
+                0,
+                0,
                 p.paged ? p.block_table + int64_t(r) * p.block_table_stride : nullptr,
                 &p};
   if (!p.paged) {
-    src.k_row0 += q0 * p.k_stride_token;
-    src.v_row0 += q0 * p.v_stride_token;
+    src.k_row0 = q0 * p.k_stride_token;
+    src.v_row0 = q0 * p.v_stride_token;
   }
 
   // Queries, scaled so that q.k comes out in base-2 logit units (or scale units under a cap).
   const float qscale = (p.soft_cap > 0.0f ? p.scale : p.scale * kLog2e) * p.k_scale;
   const bool with_sink = p.sinks && w.include_sink;
-  for (int t = 0; t < tokens; ++t) {
-    for (int g = 0; g < group; ++g) {
-      const int row = t * group + g;
-      const int head = w.kv_head * group + g;
-      const int64_t token = q0 + w.q_begin + t;
-      const char* qp =
-          static_cast<const char*>(p.q) +
-          dtype_size(p.q_dtype) * size_t(token * p.q_stride_token + head * p.q_stride_head);
-      VisitFloatType(p.q_dtype, [&](auto* tag) {
-        using Q = std::remove_pointer_t<decltype(tag)>;
-        ToFloat(reinterpret_cast<const Q*>(qp), q + row * d_size, d_size, qscale);
-      });
-      std::fill(o + row * d_size, o + (row + 1) * d_size, 0.0f);
-      // A sink starts the running max and contributes exp2(sink - max) to the sum.
-      sc.row_max[size_t(row)] = with_sink ? p.sinks[head] * kLog2e : kNegInf;
-      sc.row_sum[size_t(row)] = with_sink ? 1.0f : 0.0f;
+  for (int row = 0; row < rows; ++row) {
+    const int head = map.head(row);
+    const int64_t token = q0 + w.q_begin + map.token(row);
+    const char* qp =
+        static_cast<const char*>(p.q) +
+        dtype_size(p.q_dtype) * size_t(token * p.q_stride_token + head * p.q_stride_head);
+    VisitFloatType(p.q_dtype, [&](auto* tag) {
+      using Q = std::remove_pointer_t<decltype(tag)>;
+      ToFloat(reinterpret_cast<const Q*>(qp), q + row * d_size, d_size, qscale);
+    });
+    std::fill(o + row * d_size, o + (row + 1) * d_size, 0.0f);
+    // A sink starts the running max and contributes exp2(sink - max) to the sum.
+    sc.row_max[size_t(row)] = with_sink ? p.sinks[head] * kLog2e : kNegInf;
+    sc.row_sum[size_t(row)] = with_sink ? 1.0f : 0.0f;
+  }
+
+  // Rows of the current chunk and of the next one (prefetched while this one is computed).
+  ChunkRows cur, next;
+  cur.resolve(src, w.k_begin, int(std::min<int64_t>(kChunk, w.k_end - w.k_begin)));
+  PrefetchRows<KV>(src, cur, int(std::min<int64_t>(kChunk, w.k_end - w.k_begin)), w.kv_head, heads,
+                   d_size);
+  // Prefill tiles go through the bf16 pair-dot kernels where the CPU has them (and the values
+  // are exact in bf16); their scores come out unscaled, so qscale is applied there.
+  bool use_bf16 = false;
+#if HWY_TARGET == HWY_AVX3
+  use_bf16 = kBf16Exact<KV> && p.q_dtype == DType::kBF16 && per_head > 8 && bf16::enabled();
+#endif
+  if (use_bf16) {
+    sc.reserve_bf16(rows, d_size);
+    for (int row = 0; row < rows; ++row) {
+      const int64_t token = q0 + w.q_begin + map.token(row);
+      std::memcpy(sc.qb.data() + row * d_size,
+                  static_cast<const uint16_t*>(p.q) + token * p.q_stride_token +
+                      map.head(row) * p.q_stride_head,
+                  sizeof(uint16_t) * size_t(d_size));
     }
   }
+  const uint16_t* rows16[kChunk];
 
   for (int64_t j0 = w.k_begin; j0 < w.k_end; j0 += kChunk) {
     const int nc = int(std::min<int64_t>(kChunk, w.k_end - j0));
-    switch (rows) {
-      case 1:
-        ScoresFewRows<1, KV>(src, j0, nc, d_size, q, s);
-        break;
-      case 2:
-        ScoresFewRows<2, KV>(src, j0, nc, d_size, q, s);
-        break;
-      case 3:
-        ScoresFewRows<3, KV>(src, j0, nc, d_size, q, s);
-        break;
-      case 4:
-        ScoresFewRows<4, KV>(src, j0, nc, d_size, q, s);
-        break;
-      case 5:
-        ScoresFewRows<5, KV>(src, j0, nc, d_size, q, s);
-        break;
-      case 6:
-        ScoresFewRows<6, KV>(src, j0, nc, d_size, q, s);
-        break;
-      case 7:
-        ScoresFewRows<7, KV>(src, j0, nc, d_size, q, s);
-        break;
-      case 8:
-        ScoresFewRows<8, KV>(src, j0, nc, d_size, q, s);
-        break;
+    const int next_nc = int(std::clamp<int64_t>(w.k_end - (j0 + kChunk), 0, kChunk));
+    if (next_nc > 0) {
+      next.resolve(src, j0 + kChunk, next_nc);
+      PrefetchRows<KV>(src, next, next_nc, w.kv_head, heads, d_size);
+    }
+    switch (per_head) {
+#define PAGEDATTN_CPU_FEW(k)                                                        \
+  case k:                                                                           \
+    ScoresFewRows<k, KV>(cur, p.k_stride_head, nc, w.kv_head, heads, d_size, q, s); \
+    break;
+      PAGEDATTN_CPU_FEW(1)
+      PAGEDATTN_CPU_FEW(2)
+      PAGEDATTN_CPU_FEW(3)
+      PAGEDATTN_CPU_FEW(4)
+      PAGEDATTN_CPU_FEW(5)
+      PAGEDATTN_CPU_FEW(6)
+      PAGEDATTN_CPU_FEW(7)
+      PAGEDATTN_CPU_FEW(8)
+#undef PAGEDATTN_CPU_FEW
       default:
-        PackKeysTransposed<KV>(src, j0, nc, d_size, sc.kt.data(), sc.v.data());
-        ScoresManyRows(q, sc.kt.data(), s, rows, d_size);
+        for (int hl = 0; hl < heads; ++hl) {
+          if (use_bf16) {
+            ChunkRowsBf16<KV>(cur.k, (w.kv_head + hl) * p.k_stride_head, nc, d_size, sc.kv16.data(),
+                              rows16);
+            bf16::pack_keys(rows16, nc, d_size, sc.kp.data());
+            bf16::scores(sc.qb.data() + hl * per_head * d_size, sc.kp.data(),
+                         s + hl * per_head * kChunk, per_head, d_size, qscale);
+            continue;
+          }
+          PackKeysTransposed<KV>(cur, (w.kv_head + hl) * p.k_stride_head, nc, d_size, sc.kt.data(),
+                                 sc.v.data());
+          ScoresManyRows(q + hl * per_head * d_size, sc.kt.data(), s + hl * per_head * kChunk,
+                         per_head, d_size);
+        }
         break;
     }
     for (int row = 0; row < rows; ++row) {
-      const int t = row / group;
-      const int head = w.kv_head * group + row % group;
       sc.row_alpha[size_t(row)] =
-          SoftmaxRow(p, s + row * kChunk, nc, j0, context + w.q_begin + t, head,
-                     &sc.row_max[size_t(row)], &sc.row_sum[size_t(row)]);
+          SoftmaxRow(p, s + row * kChunk, nc, j0, context + w.q_begin + map.token(row),
+                     map.head(row), &sc.row_max[size_t(row)], &sc.row_sum[size_t(row)]);
     }
-    for (int n = 0; n < nc; ++n)
-      ToFloat(src.value<KV>(j0 + n), sc.v.data() + n * d_size, d_size, 1.0f);
-    Accumulate(s, sc.row_alpha.data(), sc.v.data(), o, rows, nc, d_size);
+    for (int hl = 0; hl < heads; ++hl) {
+      const int64_t v_head = (w.kv_head + hl) * p.v_stride_head;
+      if (use_bf16) {
+        ChunkRowsBf16<KV>(cur.v, v_head, nc, d_size, sc.kv16.data() + kChunk * d_size, rows16);
+        bf16::pack_values(rows16, nc, d_size, sc.vp.data());
+        bf16::accumulate(s + hl * per_head * kChunk, sc.row_alpha.data() + hl * per_head,
+                         sc.vp.data(), o + hl * per_head * d_size, per_head, nc, d_size);
+        continue;
+      }
+      for (int n = 0; n < nc; ++n) {
+        ToFloat(reinterpret_cast<const KV*>(cur.v[n]) + v_head, sc.v.data() + n * d_size, d_size,
+                1.0f);
+      }
+      Accumulate(s + hl * per_head * kChunk, sc.row_alpha.data() + hl * per_head, sc.v.data(),
+                 o + hl * per_head * d_size, per_head, nc, d_size);
+    }
+    std::swap(cur, next);
   }
 
   // Normalise and store: the final output, or this split's partial result.
   for (int row = 0; row < rows; ++row) {
-    const int t = row / group;
-    const int head = w.kv_head * group + row % group;
-    const int64_t token = q0 + w.q_begin + t;
     const float l = sc.row_sum[size_t(row)];
     const float inv = l > 0.0f ? p.v_scale / l : 0.0f;
     const float lse = l > 0.0f ? (sc.row_max[size_t(row)] + std::log2(l)) * kLn2 : kNegInf;
@@ -641,17 +794,7 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
       partials.lse[slot] = lse;
       continue;
     }
-    char* op =
-        static_cast<char*>(p.out) +
-        dtype_size(p.out_dtype) * size_t(token * p.out_stride_token + head * p.out_stride_head);
-    if (p.out_dtype == DType::kF64) {
-      for (int d = 0; d < d_size; ++d) reinterpret_cast<double*>(op)[d] = orow[d];
-    } else {
-      ConvertRow(orow, DType::kF32, op, p.out_dtype, d_size, 1.0f);
-    }
-    if (p.lse) {
-      store_element(p.lse, p.lse_dtype, head * p.lse_stride_head + token * p.lse_stride_token, lse);
-    }
+    StoreOutputRow(p, q0 + w.q_begin + map.token(row), map.head(row), orow, lse);
   }
 }
 
@@ -677,7 +820,8 @@ void MergeSplits(const AttentionParams& p, const WorkItem& w, int first, int cou
   const DF df;
   const int d_size = p.head_size;
   const int group = p.num_heads / p.num_kv_heads;
-  const int rows = (w.q_end - w.q_begin) * group;
+  const RowMap map{group, w.q_end - w.q_begin, w.kv_head};
+  const int rows = map.rows_per_head() * w.num_kv_heads;
   const int64_t q0 = p.query_start_loc[w.request];
   std::vector<float> acc(static_cast<size_t>(d_size));
   for (int row = 0; row < rows; ++row) {
@@ -702,19 +846,7 @@ void MergeSplits(const AttentionParams& p, const WorkItem& w, int first, int cou
       for (float& x : acc) x /= total;
     }
     const float lse = m == kNegInf ? kNegInf : m + std::log(total);
-    const int head = w.kv_head * group + row % group;
-    const int64_t token = q0 + w.q_begin + row / group;
-    char* op =
-        static_cast<char*>(p.out) +
-        dtype_size(p.out_dtype) * size_t(token * p.out_stride_token + head * p.out_stride_head);
-    if (p.out_dtype == DType::kF64) {
-      for (int d = 0; d < d_size; ++d) reinterpret_cast<double*>(op)[d] = acc[size_t(d)];
-    } else {
-      ConvertRow(acc.data(), DType::kF32, op, p.out_dtype, d_size, 1.0f);
-    }
-    if (p.lse) {
-      store_element(p.lse, p.lse_dtype, head * p.lse_stride_head + token * p.lse_stride_token, lse);
-    }
+    StoreOutputRow(p, q0 + w.q_begin + map.token(row), map.head(row), acc.data(), lse);
   }
 }
 
@@ -745,21 +877,28 @@ float amax_row(const void* src, DType dtype, int64_t n) {
   return HWY_DYNAMIC_DISPATCH(AmaxRow)(src, dtype, n);
 }
 
+// Highway's targets, plus "AVX3_BF16": AVX-512 with the bf16 pair-dot prefill kernels (the
+// default where the CPU has them; "AVX3" then means AVX-512 without them).
 std::vector<std::string> available_targets() {
   std::vector<std::string> names;
-  for (int64_t t : hwy::SupportedAndGeneratedTargets()) names.emplace_back(hwy::TargetName(t));
+  for (int64_t t : hwy::SupportedAndGeneratedTargets()) {
+    if (t == HWY_AVX3 && bf16::available()) names.emplace_back("AVX3_BF16");
+    names.emplace_back(hwy::TargetName(t));
+  }
   return names;
 }
 
 bool force_target(const std::string& name) {
-  if (name.empty()) {
-    hwy::SetSupportedTargetsForTest(0);
-    return true;
-  }
   hwy::SetSupportedTargetsForTest(0);
+  bf16::set_enabled(true);
+  if (name.empty()) return true;
+  const bool with_bf16 = name == "AVX3_BF16";
+  if (with_bf16 && !bf16::available()) return false;
+  const std::string hwy_name = with_bf16 ? "AVX3" : name;
   for (int64_t t : hwy::SupportedAndGeneratedTargets()) {
-    if (name == hwy::TargetName(t)) {
+    if (hwy_name == hwy::TargetName(t)) {
       hwy::SetSupportedTargetsForTest(t);
+      bf16::set_enabled(with_bf16);
       return true;
     }
   }
@@ -768,7 +907,9 @@ bool force_target(const std::string& name) {
 
 std::string current_target() {
   const auto targets = hwy::SupportedAndGeneratedTargets();
-  return targets.empty() ? "none" : hwy::TargetName(targets.front());
+  if (targets.empty()) return "none";
+  if (targets.front() == HWY_AVX3 && bf16::enabled()) return "AVX3_BF16";
+  return hwy::TargetName(targets.front());
 }
 
 }  // namespace pagedattn::cpu

@@ -50,11 +50,13 @@ struct AttentionParams {
 };
 
 /// One unit of parallel work: query tokens [q_begin, q_end) of a request (relative to its first
-/// query row) for all query heads of one KV head, against keys [k_begin, k_end). A split item
-/// (split >= 0) writes a partial result to partial_out/partial_lse instead of the output.
+/// query row) for all query heads of KV heads [kv_head, kv_head + num_kv_heads), against keys
+/// [k_begin, k_end). A split item (split >= 0) writes a partial result to the partial buffers
+/// instead of the output. Rows are ordered (kv head, token, query head of its group).
 struct WorkItem {
   int request = 0;
   int kv_head = 0;
+  int num_kv_heads = 1;
   int q_begin = 0, q_end = 0;
   int64_t k_begin = 0, k_end = 0;
   int split = -1;            ///< index of this item's partial slot, or -1
@@ -66,7 +68,7 @@ struct WorkItem {
 struct PartialBuffers {
   float* out = nullptr;
   float* lse = nullptr;     ///< natural log
-  int64_t rows_stride = 0;  ///< max rows (query tokens x heads per KV head) of any split item
+  int64_t rows_stride = 0;  ///< max rows (tokens x query heads) of any split item
 };
 
 /// Runs one item with the dispatched SIMD target.

@@ -53,7 +53,16 @@ std::unique_ptr<CpuPlan> make_plan(const AttentionMetadata& md, const AttentionC
       w.q_end = q1;
       visible_key_range(c, context, seq_len, q0, q1, &w.k_begin, &w.k_end);
       w.cost = (w.k_end - w.k_begin + 1) * (q1 - q0) * group;
-      for (int h = 0; h < c.num_kv_heads; ++h) {
+      // Few rows per KV head (decode) and heads interleaved in memory (NHD, or the inputs of
+      // an encoder): one item takes every KV head, so it reads whole token rows in address
+      // order. Otherwise (HND, where each head's block is contiguous; prefill tiles) one item
+      // per KV head.
+      const bool interleaved = !cached || c.kv_cache_layout == KVCacheLayout::kNHD;
+      const int heads_per_item =
+          interleaved && (q1 - q0) * group <= o.few_rows ? c.num_kv_heads : 1;
+      w.num_kv_heads = heads_per_item;
+      w.cost *= heads_per_item;
+      for (int h = 0; h < c.num_kv_heads; h += heads_per_item) {
         w.kv_head = h;
         base.push_back(w);
       }
@@ -83,7 +92,8 @@ std::unique_ptr<CpuPlan> make_plan(const AttentionMetadata& md, const AttentionC
       plan->items.push_back(part);
       ++g.num_splits;
     }
-    plan->rows_stride = std::max<int64_t>(plan->rows_stride, int64_t(w.q_end - w.q_begin) * group);
+    plan->rows_stride =
+        std::max<int64_t>(plan->rows_stride, int64_t(w.q_end - w.q_begin) * group * w.num_kv_heads);
     plan->split_groups.push_back(g);
   }
   // Largest first: with dynamic scheduling the tail is made of small items.

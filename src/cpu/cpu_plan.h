@@ -35,6 +35,7 @@ struct PlanOptions {
   int tile_rows = 128;       ///< query rows (tokens x heads of a group) per item
   int min_split_keys = 256;  ///< never split a key range below this
   int items_per_thread = 4;  ///< split until there are this many items per thread
+  int few_rows = 8;          ///< rows per KV head up to which the decode kernel is used
 };
 
 /// The schedule for one step of layers shaped like `config` (reads the metadata's host mirrors).

@@ -7,6 +7,7 @@
 namespace pagedattn::cli {
 
 void add_backends_command(CLI::App& app);
+void add_bench_command(CLI::App& app);
 void add_compute_command(CLI::App& app);
 void add_make_case_command(CLI::App& app);
 void add_run_command(CLI::App& app);

@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   CLI::App app{"pagedattn: paged attention for C++ inference engines"};
   app.require_subcommand(1);
   pagedattn::cli::add_backends_command(app);
+  pagedattn::cli::add_bench_command(app);
   pagedattn::cli::add_compute_command(app);
   pagedattn::cli::add_make_case_command(app);
   pagedattn::cli::add_run_command(app);

@@ -1,0 +1,190 @@
+// AVX512-BF16 tile kernels (see cpu_bf16_dot.h). This file is compiled with the AVX-512 BF16
+// flags; nothing in it runs unless available() said the CPU has them.
+#include "cpu/cpu_bf16_dot.h"
+
+#include <atomic>
+
+namespace pagedattn::cpu::bf16 {
+namespace {
+std::atomic<bool> g_enabled{true};
+}
+bool enabled() {
+  return g_enabled.load(std::memory_order_relaxed) && available();
+}
+void set_enabled(bool on) {
+  g_enabled.store(on);
+}
+}  // namespace pagedattn::cpu::bf16
+
+#if defined(__x86_64__) && defined(PAGEDATTN_CPU_BF16_KERNELS)
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace pagedattn::cpu::bf16 {
+
+bool available() {
+  static const bool ok = __builtin_cpu_supports("avx512bf16") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
+  return ok;
+}
+
+void pack_keys(const uint16_t* const* rows, int nc, int head_size, uint32_t* kp) {
+  const int pairs = head_size / 2;
+  for (int n = 0; n < nc; ++n) {
+    const auto* r = reinterpret_cast<const uint32_t*>(rows[n]);
+    for (int d2 = 0; d2 < pairs; ++d2) kp[d2 * kChunk + n] = r[d2];
+  }
+  for (int n = nc; n < kChunk; ++n)
+    for (int d2 = 0; d2 < pairs; ++d2) kp[d2 * kChunk + n] = 0;
+}
+
+void pack_values(const uint16_t* const* rows, int nc, int head_size, uint32_t* vp) {
+  // Word interleave of two rows, 16 columns at a time: (a0 b0 a1 b1 ... a15 b15).
+  const __m512i lo_idx =
+      _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int n = 0; n < nc; n += 2) {
+    const uint16_t* a = rows[n];
+    const uint16_t* b = n + 1 < nc ? rows[n + 1] : nullptr;
+    uint32_t* out = vp + (n / 2) * head_size;
+    for (int d = 0; d < head_size; d += 32) {
+      const __m512i va = _mm512_loadu_si512(a + d);
+      const __m512i vb = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(va, lo_idx, vb));
+      _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(va, hi_idx, vb));
+    }
+  }
+}
+
+namespace {
+
+template <int kRows>
+inline void scores_tile(const uint16_t* q, const uint32_t* kp, float* s, int head_size,
+                        float scale) {
+  __m512 acc[kRows][4];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int pairs = head_size / 2;
+  for (int d2 = 0; d2 < pairs; ++d2) {
+    const uint32_t* kd = kp + d2 * kChunk;
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kd);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kd + 16);
+    const __m512bh k2 = (__m512bh)_mm512_loadu_si512(kd + 32);
+    const __m512bh k3 = (__m512bh)_mm512_loadu_si512(kd + 48);
+    for (int r = 0; r < kRows; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, q + r * head_size + 2 * d2, 4);
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(int(pair));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qv, k0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qv, k1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], qv, k2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], qv, k3);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < 4; ++c)
+      _mm512_storeu_ps(s + r * kChunk + c * 16, _mm512_mul_ps(acc[r][c], sc));
+}
+
+// Rows of probabilities as bf16 pairs along the keys (round to nearest even).
+inline void probs_to_pairs(const float* p, uint32_t* out, int rows) {
+  for (int r = 0; r < rows; ++r) {
+    for (int n = 0; n < kChunk; n += 32) {
+      // cvtne2ps packs (b, a) as [a0..a15 | b0..b15] in bf16 lanes: keys n..n+31 in order, so
+      // consecutive lanes form the (even, odd) pairs.
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + r * kChunk + n + 16),
+                                             _mm512_loadu_ps(p + r * kChunk + n));
+      _mm512_storeu_si512(out + r * (kChunk / 2) + n / 2, (__m512i)v);
+    }
+  }
+}
+
+template <int kRows, int kCols>
+inline void accumulate_tile(const uint32_t* pp, const float* alpha, const uint32_t* vp, float* o,
+                            int pairs, int head_size, int c0) {
+  __m512 acc[kRows][kCols];
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int c = 0; c < kCols; ++c) {
+      acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * head_size + c0 + c * 16), a);
+    }
+  }
+  for (int n2 = 0; n2 < pairs; ++n2) {
+    const uint32_t* vn = vp + n2 * head_size + c0;
+    __m512bh v[kCols];
+    for (int c = 0; c < kCols; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vn + c * 16);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh pv = (__m512bh)_mm512_set1_epi32(int(pp[r * (kChunk / 2) + n2]));
+      for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pv, v[c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) _mm512_storeu_ps(o + r * head_size + c0 + c * 16, acc[r][c]);
+}
+
+template <int kRows>
+inline void accumulate_rows(const uint32_t* pp, const float* alpha, const uint32_t* vp, float* o,
+                            int pairs, int head_size) {
+  const int vecs = head_size / 16;
+  int c = 0;
+  for (; c + 4 <= vecs; c += 4)
+    accumulate_tile<kRows, 4>(pp, alpha, vp, o, pairs, head_size, c * 16);
+  switch (vecs - c) {
+    case 3:
+      accumulate_tile<kRows, 3>(pp, alpha, vp, o, pairs, head_size, c * 16);
+      break;
+    case 2:
+      accumulate_tile<kRows, 2>(pp, alpha, vp, o, pairs, head_size, c * 16);
+      break;
+    case 1:
+      accumulate_tile<kRows, 1>(pp, alpha, vp, o, pairs, head_size, c * 16);
+      break;
+    default:
+      break;
+  }
+}
+
+}  // namespace
+
+void scores(const uint16_t* q, const uint32_t* kp, float* s, int rows, int head_size, float scale) {
+  int r = 0;
+  for (; r + 6 <= rows; r += 6)
+    scores_tile<6>(q + r * head_size, kp, s + r * kChunk, head_size, scale);
+  for (; r + 2 <= rows; r += 2)
+    scores_tile<2>(q + r * head_size, kp, s + r * kChunk, head_size, scale);
+  if (r < rows) scores_tile<1>(q + r * head_size, kp, s + r * kChunk, head_size, scale);
+}
+
+void accumulate(const float* p, const float* alpha, const uint32_t* vp, float* o, int rows, int nc,
+                int head_size) {
+  alignas(64) uint32_t pp[6 * kChunk / 2];
+  const int pairs = (nc + 1) / 2;
+  int r = 0;
+  for (; r + 6 <= rows; r += 6) {
+    probs_to_pairs(p + r * kChunk, pp, 6);
+    accumulate_rows<6>(pp, alpha + r, vp, o + r * head_size, pairs, head_size);
+  }
+  for (; r < rows; ++r) {
+    probs_to_pairs(p + r * kChunk, pp, 1);
+    accumulate_rows<1>(pp, alpha + r, vp, o + r * head_size, pairs, head_size);
+  }
+}
+
+}  // namespace pagedattn::cpu::bf16
+
+#else  // no AVX512-BF16 kernels in this build
+
+namespace pagedattn::cpu::bf16 {
+bool available() {
+  return false;
+}
+void pack_keys(const uint16_t* const*, int, int, uint32_t*) {}
+void pack_values(const uint16_t* const*, int, int, uint32_t*) {}
+void scores(const uint16_t*, const uint32_t*, float*, int, int, float) {}
+void accumulate(const float*, const float*, const uint32_t*, float*, int, int, int) {}
+}  // namespace pagedattn::cpu::bf16
+
+#endif
