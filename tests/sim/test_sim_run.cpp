@@ -1,0 +1,210 @@
+// End to end: the serving simulation of `pagedattn run` on the tiny preset, checked against the
+// float64 reference, plus its argument errors and a deliberately wrong backend it must catch.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "common/expect_error.h"
+#include "pagedattn/backend.h"
+#include "pagedattn/case_file.h"
+#include "pagedattn/error.h"
+#include "pagedattn/registry.h"
+#include "sim/report.h"
+#include "sim/simulation.h"
+
+namespace pagedattn::sim {
+namespace {
+
+SimOptions tiny_options() {
+  SimOptions o;
+  o.preset = "tiny";
+  o.measure_bandwidth = false;
+  o.verify_every = 1;
+  o.workload.num_requests = 10;
+  return o;
+}
+
+TEST(SimRun, TinyPresetEveryStepMatchesTheReference) {
+  const SimReport r = run_simulation(tiny_options());
+  EXPECT_TRUE(r.passed());
+  EXPECT_EQ(r.finished_requests, 10);
+  EXPECT_GT(r.steps, 0);
+  EXPECT_EQ(r.verified_steps, r.steps) << "tiny steps are all small enough to verify";
+  EXPECT_EQ(r.deferred_checks, 0);
+  EXPECT_EQ(r.layer_checks, 2 * r.steps) << "one layer per KV-cache group, two groups";
+  EXPECT_EQ(r.failed_checks, 0);
+  EXPECT_LE(r.worst.max_abs, r.worst.budget);
+  ASSERT_EQ(r.groups.size(), 2u);
+  EXPECT_EQ(r.groups[0].kind, "sliding_window");
+  EXPECT_EQ(r.groups[0].sliding_window, 64);
+  EXPECT_EQ(r.groups[1].kind, "full_attention");
+  EXPECT_GT(r.window_blocks_released, 0);
+  EXPECT_GT(r.prefix_hit_tokens, 0);
+  EXPECT_GT(r.decode_tokens, 0);
+  EXPECT_GT(r.prefill_tokens, 0);
+  EXPECT_GT(r.attention_seconds, 0);
+  EXPECT_GT(r.kv_bytes_read, 0);
+  EXPECT_LE(r.peak_blocks_used, r.usable_blocks);
+  EXPECT_EQ(r.usable_blocks, r.num_blocks - 1);
+
+  const nlohmann::json j = nlohmann::json::parse(report_json(r));
+  EXPECT_EQ(j["preset"], "tiny");
+  EXPECT_EQ(j["run"]["steps"], r.steps);
+  EXPECT_EQ(j["verification"]["passed"], true);
+  EXPECT_EQ(j["kv_cache"]["groups"].size(), 2u);
+  const std::string text = format_report(r);
+  EXPECT_NE(text.find("all passed"), std::string::npos) << text;
+}
+
+TEST(SimRun, EveryTokenIsComputedOnceWithoutPreemption) {
+  SimOptions o = tiny_options();
+  o.verify_every = 0;
+  o.kv_cache_memory = int64_t(64) << 20;  // room for everything: no preemption
+  const SimReport r = run_simulation(o);
+  ASSERT_EQ(r.preemptions, 0);
+  EXPECT_EQ(r.lookup_tokens, r.workload_prompt_tokens);
+  // Each request computes its prompt and all but its last generated token, minus the hits.
+  EXPECT_EQ(r.prefill_tokens + r.decode_tokens + r.prefix_hit_tokens,
+            r.workload_prompt_tokens + r.workload_output_tokens - r.num_requests);
+  EXPECT_EQ(r.verified_steps, 0);
+}
+
+TEST(SimRun, TightMemoryPreemptsAndStillMatchesTheReference) {
+  SimOptions o = tiny_options();
+  o.workload.num_requests = 12;
+  o.workload.arrival_rate = 0;
+  o.verify_every = 2;
+  o.kv_cache_memory = int64_t(90) * 4096;  // 90 blocks: one request of 1024 tokens needs 85
+  const SimReport r = run_simulation(o);
+  EXPECT_EQ(r.num_blocks, 90);
+  EXPECT_GT(r.preemptions, 0);
+  EXPECT_GT(r.evictions, 0);
+  EXPECT_EQ(r.finished_requests, 12);
+  EXPECT_TRUE(r.passed());
+}
+
+TEST(SimRun, Fp8CacheAndHndLayout) {
+  SimOptions o = tiny_options();
+  o.workload.num_requests = 4;
+  o.verify_every = 2;
+  o.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+  o.kv_cache_layout = KVCacheLayout::kHND;
+  const SimReport r = run_simulation(o);
+  EXPECT_TRUE(r.passed());
+  ASSERT_TRUE(r.k_scale && r.v_scale);
+  EXPECT_NE(*r.k_scale, 1.0f) << "calibrated on the first batch";
+  EXPECT_NE(*r.v_scale, 1.0f);
+  EXPECT_EQ(r.kv_cache_storage_dtype, "float8_e4m3fn");
+  EXPECT_GT(r.layer_checks, 0);
+}
+
+// The reference with every output 5% too large: the run must notice.
+class ScaledImpl : public AttentionImpl {
+ public:
+  explicit ScaledImpl(std::unique_ptr<AttentionImpl> inner) : inner_(std::move(inner)) {}
+  void write_kv(const WriteKVArgs& args) override { inner_->write_kv(args); }
+  void forward(const ForwardArgs& args) override {
+    inner_->forward(args);
+    const int64_t n =
+        int64_t(args.metadata->num_actual_tokens) * args.output.size(1) * args.output.size(2);
+    for (int64_t i = 0; i < n; ++i) {
+      store_element(args.output.data, args.output.dtype, i,
+                    1.05 * load_element(args.output.data, args.output.dtype, i));
+    }
+  }
+
+ private:
+  std::unique_ptr<AttentionImpl> inner_;
+};
+
+class ScaledBackend : public Backend {
+ public:
+  explicit ScaledBackend(const Backend& ref) : ref_(ref) {}
+  std::string_view name() const override { return "sim-test-scaled"; }
+  std::string_view description() const override { return "ref with outputs off by 5%"; }
+  std::vector<std::string> check(const BackendQuery& q) const override { return ref_.check(q); }
+  std::unique_ptr<AttentionImpl> make_impl(const AttentionConfig& c, Device d) const override {
+    return std::make_unique<ScaledImpl>(ref_.make_impl(c, d));
+  }
+  std::unique_ptr<Plan> plan(const AttentionMetadata& md, const AttentionConfig& c) const override {
+    return ref_.plan(md, c);
+  }
+
+ private:
+  const Backend& ref_;
+};
+
+TEST(SimRun, AWrongBackendFailsAndLeavesReplayableCases) {
+  Registry& registry = default_registry();
+  if (!registry.find("sim-test-scaled")) {
+    registry.add(std::make_unique<ScaledBackend>(*registry.find("ref")));
+  }
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("pagedattn_sim_test_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  SimOptions o = tiny_options();
+  o.workload.num_requests = 3;
+  o.verify_every = 5;
+  o.backend = "sim-test-scaled";
+  o.failure_dir = dir.string();
+  std::ostringstream log;
+  o.log = &log;
+  const SimReport r = run_simulation(o);
+  EXPECT_FALSE(r.passed());
+  EXPECT_GT(r.failed_checks, 0);
+  EXPECT_GT(r.worst.max_abs, r.worst.budget);
+  ASSERT_FALSE(r.failure_files.empty());
+  EXPECT_NE(log.str().find("verification FAILED"), std::string::npos) << log.str();
+  EXPECT_NE(format_report(r).find("FAILED"), std::string::npos);
+  // The saved step replays: the reference passes it, the wrong backend's saved result fails.
+  const Case c = load_case(r.failure_files.front());
+  EXPECT_TRUE(check_case(c, run_case(c, *registry.find("ref"))).pass());
+  EXPECT_FALSE(check_case(c, run_case(c, *registry.find("sim-test-scaled"))).pass());
+  std::filesystem::remove_all(dir);
+}
+
+TEST(SimRun, BadArgumentsAreNamed) {
+  SimOptions o = tiny_options();
+  o.preset = "llama-4";
+  EXPECT_ERROR(run_simulation(o), InvalidArgument, "valid presets: llama-3-8b");
+  o = tiny_options();
+  o.max_model_len = 4096;
+  EXPECT_ERROR(run_simulation(o), InvalidArgument, "--max-model-len (4096) must be in [2, 2048]");
+  o = tiny_options();
+  o.kv_cache_memory = 1024;
+  EXPECT_ERROR(run_simulation(o), InvalidArgument, "one request of max_model_len 1024 needs");
+  // Enough bytes for the planner, but the null block leaves one block short.
+  o.kv_cache_memory = int64_t(85) * 4096;
+  EXPECT_ERROR(run_simulation(o), InvalidArgument,
+               "--kv-cache-memory (348160 bytes) gives 85 blocks, 84 usable after the null "
+               "block; one request of max_model_len 1024 needs 85; give at least 352256 bytes");
+  o.kv_cache_memory = int64_t(86) * 4096;
+  o.workload.num_requests = 2;
+  EXPECT_TRUE(run_simulation(o).passed());
+  o = tiny_options();
+  o.verify_layers = 0;
+  EXPECT_ERROR(run_simulation(o), InvalidArgument, "--verify-layers (0)");
+  o = tiny_options();
+  o.backend = "no-such-backend";
+  EXPECT_ERROR(run_simulation(o), Error, "no-such-backend");
+}
+
+TEST(SimRun, ParsesByteSizes) {
+  EXPECT_EQ(parse_byte_size("512MiB"), int64_t(512) << 20);
+  EXPECT_EQ(parse_byte_size("1.5GiB"), int64_t(3) << 29);
+  EXPECT_EQ(parse_byte_size("64kib"), int64_t(64) << 10);
+  EXPECT_EQ(parse_byte_size("2GB"), int64_t(2000000000));
+  EXPECT_EQ(parse_byte_size("1000"), 1000);
+  EXPECT_ERROR(parse_byte_size("lots", "--kv-cache-memory"), InvalidArgument,
+               "--kv-cache-memory 'lots' is not a positive byte size");
+  EXPECT_ERROR(parse_byte_size("-1GiB"), InvalidArgument, "'-1GiB'");
+  EXPECT_ERROR(parse_byte_size("3XB"), InvalidArgument, "'3XB'");
+  EXPECT_ERROR(parse_byte_size("0"), InvalidArgument, "'0'");
+}
+
+}  // namespace
+}  // namespace pagedattn::sim
