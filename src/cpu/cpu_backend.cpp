@@ -122,7 +122,7 @@ class CpuImpl final : public AttentionImpl {
     const CpuPlan* plan = dynamic_cast<const CpuPlan*>(a.plan);
     std::unique_ptr<CpuPlan> own;
     if (!plan) {
-      own = make_plan(*a.metadata, config_, PlanOptions{omp_get_max_threads()});
+      own = make_plan(*a.metadata, config_, default_plan_options());
       plan = own.get();
     }
     // Partial results of split items live in the caller's workspace (or, when the caller gave
@@ -173,7 +173,7 @@ class CpuBackend final : public Backend {
     return std::make_unique<CpuImpl>(config);
   }
   std::unique_ptr<Plan> plan(const AttentionMetadata& md, const AttentionConfig& c) const override {
-    return make_plan(md, c, PlanOptions{omp_get_max_threads()});
+    return make_plan(md, c, default_plan_options());
   }
   void merge_states(const MergeArgs& a) const override;
   float amax(const TensorView& x) const override;

@@ -1,6 +1,9 @@
 #include "cpu/cpu_plan.h"
 
+#include <omp.h>
+
 #include <algorithm>
+#include <cstdlib>
 
 namespace pagedattn::cpu {
 namespace {
@@ -13,6 +16,15 @@ int64_t ceil_div(int64_t a, int64_t b) {
 constexpr int64_t kChunkAlign = 64;
 
 }  // namespace
+
+PlanOptions default_plan_options() {
+  PlanOptions o;
+  o.num_threads = omp_get_max_threads();
+  if (const char* env = std::getenv("PAGEDATTN_CPU_PLAN_THREADS"); env && *env) {
+    o.num_threads = std::max(1, std::atoi(env));
+  }
+  return o;
+}
 
 void visible_key_range(const AttentionConfig& c, int64_t context, int64_t seq_len, int q_begin,
                        int q_end, int64_t* first, int64_t* end) {

@@ -105,7 +105,7 @@ TEST(AttentionLayer, BackendOverrideByName) {
   AttentionOptions o = options("l.0");
   o.attn_backend = "no_such_backend";
   EXPECT_ERROR(Attention(ctx, o), InvalidArgument,
-               "backend 'no_such_backend' is not a registered backend; valid backends: ref");
+               "backend 'no_such_backend' is not a registered backend; valid backends: ");
   o.attn_backend = "ref";
   Attention a(ctx, o);
   EXPECT_EQ(a.backend().name(), "ref");

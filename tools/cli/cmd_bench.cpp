@@ -18,6 +18,7 @@
 
 #include "cli.h"
 #include "pagedattn/pagedattn.h"
+#include "sim/bandwidth.h"
 
 namespace pagedattn::cli {
 namespace {
@@ -42,27 +43,6 @@ double seconds_since(Clock::time_point t0) {
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
-}
-
-// Best of several passes of a parallel streaming read over a buffer far larger than the caches.
-double measure_read_bandwidth(size_t bytes) {
-  const size_t n = bytes / sizeof(uint64_t);
-  // Allocated like the KV caches are (huge pages where the system allows), for a fair ceiling.
-  Tensor storage = Tensor::empty({int64_t(n)}, DType::kI64);
-  auto* buf = storage.data_as<uint64_t>();
-#pragma omp parallel for schedule(static)
-  for (size_t i = 0; i < n; ++i) buf[i] = i * 0x9e3779b97f4a7c15ull;
-  double best = 0;
-  for (int pass = 0; pass < 5; ++pass) {
-    uint64_t total = 0;
-    const auto t0 = Clock::now();
-#pragma omp parallel for schedule(static) reduction(+ : total)
-    for (size_t i = 0; i < n; ++i) total += buf[i];
-    const double t = seconds_since(t0);
-    if (total == 42) std::printf(" ");  // keep the sum alive
-    best = std::max(best, double(bytes) / t);
-  }
-  return best;
 }
 
 // Fills a tensor with random finite values of its dtype (never zeros, never NaN).
@@ -194,11 +174,13 @@ void run_bench(const BenchOptions& o) {
   out["backend"] = backend.name();
   out["cpu"] = cpu_model();
   out["threads"] = omp_get_max_threads();
-  const double bandwidth = measure_read_bandwidth(size_t(1) << 30);
+  const double bandwidth = sim::measure_read_bandwidth(size_t(1) << 30, 5).value_or(0.0);
+  if (bandwidth <= 0) throw InvalidArgument("bench: cannot allocate the 1 GiB bandwidth buffer");
   out["read_bandwidth_gbs"] = bandwidth / 1e9;
   if (!o.json) {
     std::printf(
-        "backend %s, %d threads, %s\nread bandwidth: %.1f GB/s (best of 5 passes over 1 GiB)\n",
+        "backend %s, %d threads, %s\nread bandwidth: %.1f GB/s (streaming read on every hardware "
+        "thread, best of 5 over 1 GiB)\n",
         std::string(backend.name()).c_str(), omp_get_max_threads(), cpu_model().c_str(),
         bandwidth / 1e9);
   }
