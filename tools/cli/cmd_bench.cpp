@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -34,6 +35,7 @@ struct BenchOptions {
   double max_gib = 6.0;
   std::string out;
   std::string only;  // "decode", "prefill" or ""
+  std::string commit;
 };
 
 double seconds_since(Clock::time_point t0) {
@@ -172,6 +174,13 @@ void run_bench(const BenchOptions& o) {
   std::mt19937 rng(1234);
   json out;
   out["backend"] = backend.name();
+  out["commit"] = o.commit;
+  {
+    const std::time_t now = std::time(nullptr);
+    char date[32];
+    std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    out["date"] = date;
+  }
   out["cpu"] = cpu_model();
   out["threads"] = omp_get_max_threads();
   const double bandwidth = sim::measure_read_bandwidth(size_t(1) << 30, 5).value_or(0.0);
@@ -291,6 +300,7 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--only", o->only, "decode | prefill");
   cmd->add_option("--out", o->out, "also write the JSON to this file");
+  cmd->add_option("--commit", o->commit, "commit id recorded in the JSON");
   cmd->callback([o] { run_bench(*o); });
 }
 
