@@ -46,6 +46,17 @@ struct AttentionOptions {
   bool has_checkpoint_kv_scales = false;
 };
 
+/// Scales from one batch (vLLM's calc_kv_scales): q = max|q| / 200, k = max|k| / 200,
+/// v = max|v| / 100 (divisors overridable by $PAGEDATTN_{Q,K,V}_SCALE_CONSTANT), each max taken
+/// over the whole tensor by `backend` on the tensor's device. Throws InvalidArgument when a
+/// tensor holds NaN or infinity.
+struct CalibratedScales {
+  float q_scale = 1.0f, k_scale = 1.0f, v_scale = 1.0f;
+  bool all_zero = false;  ///< some tensor was all zeros: nothing to calibrate on
+};
+CalibratedScales calc_kv_scales(const Backend& backend, const TensorView& query,
+                                const TensorView& key, const TensorView& value);
+
 class Attention {
  public:
   /// Resolves the window and cache settings, validates, selects a backend (explaining any

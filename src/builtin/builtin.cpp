@@ -8,6 +8,7 @@
 #include "cpu/cpu_backend.h"
 #endif
 #if PAGEDATTN_WITH_CUDA
+#include "cuda/backend/cuda_backend.h"
 #include "cuda/common/runtime.h"
 #endif
 
@@ -27,6 +28,9 @@ Registry& default_registry() {
     ensure_builtins_registered();
     Registry r;
     // Priority order: the first backend whose check() passes serves a layer.
+#if PAGEDATTN_WITH_CUDA
+    r.add(cuda::make_backend());  // CUDA tensors only; the others refuse them
+#endif
 #if PAGEDATTN_WITH_CPU_BACKEND
     r.add(cpu::make_backend());
 #endif

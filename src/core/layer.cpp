@@ -221,15 +221,27 @@ void Attention::load_kv_scales(float q_scale, float k_scale, float v_scale) {
   }
 }
 
+CalibratedScales calc_kv_scales(const Backend& backend, const TensorView& q, const TensorView& k,
+                                const TensorView& v) {
+  const float qa = backend.amax(q), ka = backend.amax(k), va = backend.amax(v);
+  require(std::isfinite(qa) && std::isfinite(ka) && std::isfinite(va),
+          "calc_kv_scales: the batch holds non-finite values (max |q|, |k|, |v| = ", qa, ", ", ka,
+          ", ", va, ")");
+  CalibratedScales s;
+  s.all_zero = qa == 0.0f || ka == 0.0f || va == 0.0f;
+  if (s.all_zero) return s;
+  s.q_scale = qa / scale_constant("PAGEDATTN_Q_SCALE_CONSTANT", 200.0f);
+  s.k_scale = ka / scale_constant("PAGEDATTN_K_SCALE_CONSTANT", 200.0f);
+  s.v_scale = va / scale_constant("PAGEDATTN_V_SCALE_CONSTANT", 100.0f);
+  return s;
+}
+
 void Attention::calibrate_scales(const TensorView& q, const TensorView& k, const TensorView& v) {
-  const float qa = backend_->amax(q), ka = backend_->amax(k), va = backend_->amax(v);
-  require(std::isfinite(qa) && std::isfinite(ka) && std::isfinite(va), "layer ", name_,
-          ": cannot calibrate k/v scales on a batch with non-finite values (max |q|, |k|, |v| = ",
-          qa, ", ", ka, ", ", va, ")");
-  if (qa == 0.0f || ka == 0.0f || va == 0.0f) return;  // an all-zero batch: try the next one
-  q_scale_ = qa / scale_constant("PAGEDATTN_Q_SCALE_CONSTANT", 200.0f);
-  k_scale_ = ka / scale_constant("PAGEDATTN_K_SCALE_CONSTANT", 200.0f);
-  v_scale_ = va / scale_constant("PAGEDATTN_V_SCALE_CONSTANT", 100.0f);
+  const CalibratedScales s = calc_kv_scales(*backend_, q, k, v);
+  if (s.all_zero) return;  // an all-zero batch (e.g. padding): try the next one
+  q_scale_ = s.q_scale;
+  k_scale_ = s.k_scale;
+  v_scale_ = s.v_scale;
   calculate_kv_scales_ = false;
 }
 

@@ -128,7 +128,10 @@ int cmd_test(const Options& o) {
     std::printf("backend %s: %d passed, %d failed, %d unsupported\n",
                 std::string(b->name()).c_str(), t.passed, t.failed, t.unsupported);
     failures += t.failed;
-    if (t.passed == 0) {
+    // A backend for another device (cuda when testing on the cpu) serves no case here: that
+    // is fine unless it was asked for by name.
+    const bool named = !o.backends.empty();
+    if (t.passed == 0 && (named || t.unsupported < int(cases.size()))) {
       std::printf("backend %s passed no case at all\n", std::string(b->name()).c_str());
       ++failures;
     }

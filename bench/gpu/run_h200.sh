@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# One command that checks and times the cuda backend on the H200 machine, writing at most 8
+# files under $OUT (summary.txt, backend_ops.log, cuda_tests.log, sanitizer.log, bench.log,
+# results.json, decode.png) and printing a short table last.
+#
+# The binaries are built HERE (the H200 image lacks CLI11 / nlohmann-json / libdlpack) with
+#     cmake --preset cuda-h200 && cmake --build --preset cuda-h200
+# and carried with the call: carry = build/cuda-h200/tests/backend_ops,
+# build/cuda-h200/tests/pagedattn_cuda_tests, build/cuda-h200/bench/gpu/bench_decode; then
+#     bash bench/gpu/run_h200.sh
+# They link cudart statically and need only libc/libstdc++ and the driver there.
+#
+# Parts can be skipped: SKIP_BACKEND_OPS=1 SKIP_TESTS=1 SKIP_SANITIZER=1 SKIP_BENCH=1
+# SKIP_PEERS=1; BENCH_QUICK=1 runs a small benchmark matrix. Each part has a time limit so that
+# the whole run stays under ~9 minutes of device time.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+OUT="${OUT:-$PWD/build/h200-out}"
+BUILD="${PAGEDATTN_BUILD:-build/cuda-h200}"
+mkdir -p "$OUT"
+SCRATCH="$(mktemp -d)"
+summary="$OUT/summary.txt"
+: >"$summary"
+say() { echo "$*" | tee -a "$summary"; }
+start=$(date +%s)
+elapsed() { echo "$(( $(date +%s) - start )) s"; }
+
+backend_ops="$BUILD/tests/backend_ops"
+cuda_tests="$BUILD/tests/pagedattn_cuda_tests"
+bench="$BUILD/bench/gpu/bench_decode"
+for b in "$backend_ops" "$cuda_tests" "$bench"; do
+  [ -x "$b" ] || say "missing $b (build with the cuda-h200 preset here and carry it)"
+done
+
+say "== device"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw \
+  --format=csv,noheader 2>&1 | tee -a "$summary"
+clocks_before="$(nvidia-smi --query-gpu=clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null)"
+
+status=0
+# ---- 1. every backend_ops case on the cuda backend (float64 reference, cache bytes) ----------
+if [ "${SKIP_BACKEND_OPS:-0}" != 1 ]; then
+  say "== backend_ops test --device cuda --backend cuda  ($(elapsed))"
+  timeout 240 "$backend_ops" test --device cuda --backend cuda >"$OUT/backend_ops.log" 2>&1
+  rc=$?
+  grep -E "^backend |FAIL" "$OUT/backend_ops.log" | head -20 | tee -a "$summary"
+  say "backend_ops rc=$rc"
+  [ $rc -eq 0 ] || status=1
+fi
+
+# ---- 2. the GoogleTest binary (splits, graphs, checked mode, merge, amax) --------------------
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  say "== pagedattn_cuda_tests  ($(elapsed))"
+  timeout 240 "$cuda_tests" --gtest_brief=1 >"$OUT/cuda_tests.log" 2>&1
+  rc=$?
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|FAILED TEST" "$OUT/cuda_tests.log" | head -30 |
+    tee -a "$summary"
+  say "pagedattn_cuda_tests rc=$rc"
+  [ $rc -eq 0 ] || status=1
+fi
+
+# ---- 3. compute-sanitizer on a reduced matrix ------------------------------------------------
+if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
+  say "== compute-sanitizer  ($(elapsed))"
+  san="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  : >"$OUT/sanitizer.log"
+  run_san() {  # tool, time limit, filter
+    echo "---- $1 --filter '$3'" >>"$OUT/sanitizer.log"
+    timeout "$2" "$san" --tool "$1" --error-exitcode 99 "$backend_ops" test --device cuda \
+      --backend cuda --filter "$3" >>"$OUT/sanitizer.log" 2>&1
+    local rc=$?
+    say "sanitizer $1 '$3': rc=$rc $(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer.log") clean summaries so far"
+    [ $rc -eq 0 ] || status=1
+  }
+  run_san memcheck 150 "dtypes"
+  run_san memcheck 60 "layout"
+  run_san memcheck 60 "everything"
+  run_san racecheck 120 "layout"
+  run_san synccheck 60 "block_size"
+  timeout 120 "$san" --tool memcheck --error-exitcode 99 "$cuda_tests" \
+    --gtest_filter='CudaMerge*:CudaAmax*:CudaChecked*' >>"$OUT/sanitizer.log" 2>&1
+  rc=$?
+  say "sanitizer memcheck cuda_tests (merge, amax, checked): rc=$rc"
+  [ $rc -eq 0 ] || status=1
+fi
+
+# ---- 4. benchmark: ours (paged) and the torch peers (contiguous) -----------------------------
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  say "== bench  ($(elapsed))"
+  quick=()
+  [ "${BENCH_QUICK:-0}" = 1 ] && quick=(--quick)
+  timeout 200 "$bench" --out "$SCRATCH/ours.json" "${quick[@]}" >"$OUT/bench.log" 2>&1
+  say "bench_decode rc=$?"
+  peers=()
+  if [ "${SKIP_PEERS:-0}" != 1 ]; then
+    PYTHONUNBUFFERED=1 timeout 200 python3 bench/gpu/peers.py --out "$SCRATCH/peers.json" \
+      "${quick[@]}" >>"$OUT/bench.log" 2>&1
+    say "peers rc=$?"
+    [ -s "$SCRATCH/peers.json" ] && peers=(--peers "$SCRATCH/peers.json")
+  fi
+  clocks_after="$(nvidia-smi --query-gpu=clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null)"
+  if [ -s "$SCRATCH/ours.json" ]; then
+    python3 bench/gpu/report.py --ours "$SCRATCH/ours.json" "${peers[@]}" \
+      --json "$OUT/results.json" --png "$OUT/decode.png" \
+      --clocks "sm,mem before: $clocks_before; after: $clocks_after" >"$SCRATCH/table.txt" 2>&1
+    cat "$SCRATCH/table.txt" >>"$summary"
+  else
+    say "no benchmark results (see bench.log)"
+    tail -5 "$OUT/bench.log"
+  fi
+fi
+
+say "== done in $(elapsed), status $status"
+[ -s "$SCRATCH/table.txt" ] && cat "$SCRATCH/table.txt"
+rm -rf "$SCRATCH"
+exit $status

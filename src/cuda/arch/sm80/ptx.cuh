@@ -1,0 +1,82 @@
+// Ampere-era instructions that Hopper runs too (cp.async, ldmatrix, mma.sync m16n8k16, L2
+// cache policies), each wrapped once. With arch/sm90/ (wgmma, setmaxnreg, TMA) this is the only
+// place in the tree with inline PTX.
+#pragma once
+
+#include <cstdint>
+
+namespace pagedattn::cuda::sm80 {
+
+/// Shared-memory address of a generic pointer into shared memory (the operand cp.async and
+/// ldmatrix take).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+/// An L2 policy that evicts these lines first: decode streams each KV byte once, so it should
+/// not push Q, block tables or split partials out of L2.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+/// 16-byte global -> shared copy that bypasses L1. `src_bytes` < 16 zero-fills the rest (0 =
+/// write zeros and read nothing; `src` must still be a valid address).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes,
+                                            uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+               "l"(src), "r"(src_bytes), "l"(policy)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+/// Waits until at most `kPending` of this thread's committed groups are still in flight.
+/// Other threads' copies become visible only after a barrier (__syncwarp / __syncthreads).
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+/// Four 8x8 b16 matrices; lane l gives the row address of matrix l/8, row l%8. Register i
+/// receives matrix i, this lane holding (row lane/4, columns 2*(lane%4) + {0,1}).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+/// As ldmatrix_x4, transposed: this lane holds (rows 2*(lane%4) + {0,1}, column lane/4).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+/// d += a * b for one m16n8k16 tile, float accumulators, 16-bit operands (bf16 when kBF16,
+/// else fp16). a: A rows {g, g+8} x k {2t, 2t+1, 2t+8, 2t+9}; b: k {2t, 2t+1} / {2t+8, 2t+9} x
+/// column g; d: rows {g, g+8} x columns {2t, 2t+1} (g = lane/4, t = lane%4).
+template <bool kBF16>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+  if constexpr (kBF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+}  // namespace pagedattn::cuda::sm80

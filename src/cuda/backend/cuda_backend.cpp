@@ -1,0 +1,264 @@
+// The `cuda` backend: what it serves (check), the per-step plan, the layer impl, and the
+// device merge_states / amax.
+#include "cuda/backend/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <mutex>
+
+#include "cuda/amax/launch.h"
+#include "cuda/backend/impl.h"
+#include "cuda/backend/plan.h"
+#include "cuda/cache_ops/launch.h"
+#include "cuda/common/check.h"
+#include "cuda/common/device_props.h"
+#include "cuda/decode/launch.h"
+#include "cuda/merge/config.h"
+#include "cuda/merge/launch.h"
+#include "pagedattn/error.h"
+
+namespace pagedattn::cuda {
+
+using detail::cat;
+using detail::require;
+
+BackendOptions backend_options_from_env() {
+  BackendOptions o;
+  if (const char* s = std::getenv(kCheckedEnvVar); s && *s) o.checked = std::string(s) != "0";
+  if (const char* s = std::getenv(kSplitsEnvVar); s && *s) {
+    char* end = nullptr;
+    const long n = std::strtol(s, &end, 10);
+    require(end && *end == '\0' && n >= 1 && n <= decode::kMaxSplits, kSplitsEnvVar, " ('", s,
+            "') must be an integer in [1, ", decode::kMaxSplits, "]");
+    o.num_splits = int(n);
+  }
+  return o;
+}
+
+namespace {
+
+std::string join_ints(const std::vector<int>& v) {
+  std::string s;
+  for (int x : v) s += (s.empty() ? "" : ", ") + std::to_string(x);
+  return s.empty() ? "none" : s;
+}
+
+bool is_aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(const BackendOptions& options) : options_(options) {}
+
+  std::string_view name() const override { return "cuda"; }
+  std::string_view description() const override {
+    return "NVIDIA Hopper (sm_90a): paged decode with split-KV, write_kv, merge_states, amax";
+  }
+
+  std::vector<std::string> check(const BackendQuery& q) const override {
+    std::vector<std::string> reasons;
+    const AttentionConfig& c = q.config;
+    if (!q.device.is_cuda()) {
+      reasons.push_back(cat("runs on CUDA devices only; the tensors are on ", to_string(q.device)));
+    } else if (const int n = visible_device_count(); n == 0) {
+      reasons.push_back(
+          "no CUDA device is visible (no driver or GPU, or CUDA_VISIBLE_DEVICES hides them)");
+    } else if (q.device.index < 0 || q.device.index >= n) {
+      reasons.push_back(cat(to_string(q.device), " is past the ", n, " visible CUDA device(s)"));
+    } else {
+      const DeviceProps& d = device_props(q.device.index);
+      if (d.cc_major != 9 || d.cc_minor != 0) {
+        reasons.push_back(cat("kernels are compiled for sm_90a (Hopper) only; ",
+                              to_string(q.device), " (", d.name, ") is compute capability ",
+                              d.cc_major, ".", d.cc_minor));
+      }
+    }
+    if (!is_activation_dtype(c.dtype)) {
+      reasons.push_back(cat("dtype ", dtype_name(c.dtype), " is not float32, float16 or bfloat16"));
+      return reasons;
+    }
+    const bool cached = uses_kv_cache(c.attn_type);
+    const DType cache = cached ? c.cache_dtype() : c.dtype;
+    if (cached && cache_ops::find_write_kv(c.dtype, cache) == nullptr) {
+      reasons.push_back(cat("write_kv is not compiled for ", dtype_name(c.dtype),
+                            " activations into a ", dtype_name(cache), " cache"));
+    }
+    if (decode::find_decode(c.dtype, cache, c.head_size) == nullptr) {
+      const decode::KVKind kind = decode::kv_kind_for(c.dtype, cache);
+      if (kind == decode::KVKind::kAny) {
+        reasons.push_back(cat("head_size ", c.head_size, " with ", dtype_name(c.dtype),
+                              " activations and a ", dtype_name(cache),
+                              " cache runs on the generic kernel, which needs a multiple of 16 "
+                              "up to ",
+                              decode::kMaxHeadSize));
+      } else {
+        reasons.push_back(
+            cat("head_size ", c.head_size, " is not compiled for ", dtype_name(c.dtype),
+                " activations with a ", kind == decode::KVKind::kFp8 ? "fp8" : dtype_name(cache),
+                " cache (compiled: ", join_ints(decode::compiled_head_sizes(c.dtype, kind)),
+                "; the CMake option PAGEDATTN_CUDA_HEAD_SIZES sets the list)"));
+      }
+    }
+    if (decode::find_combine(c.dtype) == nullptr) {
+      reasons.push_back(cat("the split combine is not compiled for ", dtype_name(c.dtype)));
+    }
+    return reasons;
+  }
+
+  std::unique_ptr<AttentionImpl> make_impl(const AttentionConfig& config,
+                                           Device device) const override {
+    return std::make_unique<CudaImpl>(config, device, options_.checked);
+  }
+
+  std::unique_ptr<Plan> plan(const AttentionMetadata& md,
+                             const AttentionConfig& config) const override {
+    const bool cached = uses_kv_cache(config.attn_type);
+    const DType cache = cached ? config.cache_dtype() : config.dtype;
+    const decode::DecodeKernel* kernel = decode::find_decode(config.dtype, cache, config.head_size);
+    int device = 0;
+    if (md.seq_lens.defined() && md.seq_lens.device.is_cuda()) device = md.seq_lens.device.index;
+    std::unique_ptr<CudaPlan> plan;
+    if (kernel == nullptr || device >= visible_device_count()) {
+      plan = make_plan(md, config, 0, 0);  // nothing to run on: an unsplit plan
+    } else {
+      plan = make_plan(md, config, device_props(device).num_sms, ctas_per_sm(*kernel, device));
+    }
+    if (options_.num_splits > 0 && md.num_actual_tokens > 0) {
+      plan->num_splits = options_.num_splits;
+      plan->workspace = split_workspace_bytes(plan->num_splits, md.num_actual_tokens,
+                                              config.num_heads, config.head_size);
+    }
+    return plan;
+  }
+
+  void merge_states(const MergeArgs& a) const override {
+    check_merge_args(a);
+    const Device device = a.output.device;
+    require<NotSupported>(device.is_cuda(), "cuda backend: merge_states needs CUDA tensors; got ",
+                          describe(a.output));
+    const merge::MergeKernel* kernel = merge::find_merge(a.output.dtype);
+    require<NotSupported>(kernel != nullptr, "cuda backend: merge_states is not compiled for ",
+                          dtype_name(a.output.dtype), " (float32, float16, bfloat16 are)");
+    const TensorView &po = a.prefix_output, &so = a.suffix_output, &o = a.output;
+    merge::MergeParams p{};
+    p.prefix_out = po.data;
+    p.prefix_stride_token = po.stride(0);
+    p.prefix_stride_head = po.stride(1);
+    p.suffix_out = so.data;
+    p.suffix_stride_token = so.stride(0);
+    p.suffix_stride_head = so.stride(1);
+    p.out = o.data;
+    p.out_stride_token = o.stride(0);
+    p.out_stride_head = o.stride(1);
+    p.prefix_lse = a.prefix_lse.data;
+    p.prefix_lse_stride_head = a.prefix_lse.stride(0);
+    p.prefix_lse_stride_token = a.prefix_lse.stride(1);
+    p.prefix_lse_f64 = a.prefix_lse.dtype == DType::kF64;
+    p.suffix_lse = a.suffix_lse.data;
+    p.suffix_lse_stride_head = a.suffix_lse.stride(0);
+    p.suffix_lse_stride_token = a.suffix_lse.stride(1);
+    p.suffix_lse_f64 = a.suffix_lse.dtype == DType::kF64;
+    if (a.output_lse.defined()) {
+      p.out_lse = a.output_lse.data;
+      p.out_lse_stride_head = a.output_lse.stride(0);
+      p.out_lse_stride_token = a.output_lse.stride(1);
+      p.out_lse_f64 = a.output_lse.dtype == DType::kF64;
+    }
+    p.num_tokens = int(o.size(0));
+    p.num_heads = int(o.size(1));
+    p.head_size = int(o.size(2));
+    auto vec_ok = [](const TensorView& v) {
+      return v.stride(2) == 1 && is_aligned(v.data, 16) && v.stride(0) % 8 == 0 &&
+             v.stride(1) % 8 == 0;
+    };
+    p.vectorized = p.head_size % merge::kVec == 0 && vec_ok(po) && vec_ok(so) && vec_ok(o);
+    require(po.stride(2) == 1 && so.stride(2) == 1 && o.stride(2) == 1,
+            "merge_states: outputs must be contiguous in head_size");
+    ScopedDevice guard(device.index);
+    kernel->launch(p, static_cast<cudaStream_t>(a.stream.handle));
+  }
+
+  float amax(const TensorView& x) const override {
+    require<NotSupported>(is_floating(x.dtype), "amax: ", describe(x), " is not a float tensor");
+    if (x.device.is_cpu()) return host_amax(x);
+    require<NotSupported>(x.device.is_cuda() && amax::supports(x.dtype), "amax: cannot read ",
+                          describe(x));
+    require(x.ndim <= amax::kMaxDims, "amax: rank ", x.ndim, " exceeds ", amax::kMaxDims);
+    ScopedDevice guard(x.device.index);
+    amax::AmaxParams p{};
+    p.x = x.data;
+    p.dtype = int(x.dtype);
+    p.ndim = x.ndim;
+    for (int d = 0; d < x.ndim; ++d) {
+      p.shape[d] = x.size(d);
+      p.strides[d] = x.stride(d);
+    }
+    p.numel = x.numel();
+    // Calibration runs once per layer, outside graphs: a small allocation and a blocking copy
+    // on the legacy default stream are fine here.
+    unsigned int* result = nullptr;
+    PAGEDATTN_CUDA_CHECK(cudaMalloc(&result, sizeof(unsigned int)));
+    p.result = result;
+    unsigned int bits = 0;
+    try {
+      amax::AmaxOps::launch(p, nullptr);
+      PAGEDATTN_CUDA_CHECK(cudaMemcpy(&bits, result, sizeof(bits), cudaMemcpyDeviceToHost));
+    } catch (...) {
+      cudaFree(result);
+      throw;
+    }
+    PAGEDATTN_CUDA_CHECK(cudaFree(result));
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+  }
+
+ private:
+  static float host_amax(const TensorView& x) {
+    double m = 0.0;
+    std::array<int64_t, kMaxDims> idx{};
+    for (int64_t k = 0, n = x.numel(); k < n; ++k) {
+      int64_t off = 0;
+      for (int d = 0; d < x.ndim; ++d) off += idx[size_t(d)] * x.stride(d);
+      const double v = std::fabs(load_element(x.data, x.dtype, off));
+      if (std::isnan(v)) return std::numeric_limits<float>::quiet_NaN();
+      m = std::max(m, v);
+      for (int d = x.ndim - 1; d >= 0; --d) {
+        if (++idx[size_t(d)] < x.size(d)) break;
+        idx[size_t(d)] = 0;
+      }
+    }
+    return float(m);
+  }
+
+  // Occupancy of a kernel on a device, queried once.
+  int ctas_per_sm(const decode::DecodeKernel& kernel, int device) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto [it, inserted] = occupancy_.try_emplace({&kernel, device}, 0);
+    if (inserted) {
+      ScopedDevice guard(device);
+      it->second = kernel.ctas_per_sm(device);
+    }
+    return it->second;
+  }
+
+  BackendOptions options_;
+  mutable std::mutex mutex_;
+  mutable std::map<std::pair<const decode::DecodeKernel*, int>, int> occupancy_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_backend(const BackendOptions& options) {
+  return std::make_unique<CudaBackend>(options);
+}
+
+}  // namespace pagedattn::cuda

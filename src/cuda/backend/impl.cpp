@@ -1,0 +1,254 @@
+#include "cuda/backend/impl.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/backend/checked.h"
+#include "cuda/backend/plan.h"
+#include "cuda/common/device_props.h"
+#include "cuda/decode/config.h"
+#include "pagedattn/error.h"
+
+namespace pagedattn::cuda {
+
+using detail::cat;
+using detail::fail;
+using detail::require;
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+cudaStream_t stream_of(const Stream& s) {
+  return static_cast<cudaStream_t>(s.handle);
+}
+
+bool aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Whether 8-element chunks of the rows of a [rows, heads, head_size] view can move as 16-byte
+// vectors (two for float32).
+bool vec8(const TensorView& v) {
+  return aligned(v.data, 16) && v.stride(0) % 8 == 0 && v.stride(1) % 8 == 0 && v.size(2) % 8 == 0;
+}
+
+// The attention kernel copies K/V rows with 16-byte cp.async: bases and strides must allow it.
+void require_16b_rows(const TensorView& v, std::string_view name, int dims) {
+  const int64_t e = int64_t(dtype_size(v.dtype));
+  bool ok = aligned(v.data, 16) && (v.size(v.ndim - 1) * e) % 16 == 0;
+  for (int d = 0; d < dims; ++d) ok = ok && (v.stride(d) * e) % 16 == 0;
+  if (!ok) {
+    fail<NotSupported>("cuda backend: ", name, " (", describe(v),
+                       ") needs a 16-byte aligned base and strides that are multiples of 16 "
+                       "bytes");
+  }
+}
+
+void require_on(const TensorView& v, Device device, std::string_view name) {
+  require(v.defined(), name, " is required");
+  require(v.device == device, name, " is on ", to_string(v.device), "; the cuda backend runs on ",
+          to_string(device), " and reads it there");
+}
+
+}  // namespace
+
+CudaImpl::CudaImpl(const AttentionConfig& config, Device device, bool checked)
+    : config_(config), device_(device), checked_(checked) {
+  require<NotSupported>(device.is_cuda(), "cuda backend: device ", to_string(device),
+                        " is not a CUDA device");
+  const bool cached = uses_kv_cache(config.attn_type);
+  cache_dtype_ = cached ? config.cache_dtype() : config.dtype;
+  decode_ = decode::find_decode(config.dtype, cache_dtype_, config.head_size);
+  combine_ = decode::find_combine(config.dtype);
+  require<NotSupported>(decode_ != nullptr && combine_ != nullptr,
+                        "cuda backend: no attention kernel compiled for ", dtype_name(config.dtype),
+                        " activations, a ", dtype_name(cache_dtype_), " cache and head_size ",
+                        config.head_size, " (see check())");
+  if (cached) {
+    write_ = cache_ops::find_write_kv(config.dtype, cache_dtype_);
+    require<NotSupported>(write_ != nullptr, "cuda backend: write_kv is not compiled for ",
+                          dtype_name(config.dtype), " into ", dtype_name(cache_dtype_));
+  }
+  ScopedDevice guard(device.index);
+  // Raises the kernel's shared-memory limit now, so that no attribute call happens later
+  // inside a graph capture.
+  decode_->ctas_per_sm(device.index);
+  auto upload = [&](const std::vector<float>& v) {
+    if (v.empty()) return Tensor{};
+    const TensorView host =
+        TensorView::contiguous(const_cast<float*>(v.data()), DType::kF32, {int64_t(v.size())});
+    return Tensor::copy_of(host, device);
+  };
+  alibi_slopes_ = upload(config.alibi_slopes);
+  sinks_ = upload(config.sinks);
+}
+
+void CudaImpl::write_kv(const WriteKVArgs& a) {
+  const int64_t num_slots = a.slot_mapping.defined() ? a.slot_mapping.size(0) : 0;
+  if (num_slots == 0) return;
+  require<NotSupported>(write_ != nullptr, "cuda backend: ", to_string(config_.attn_type),
+                        " attention has no KV cache to write");
+  const KVCacheView& c = a.kv_cache;
+  require_on(c.key, device_, "kv_cache.key");
+  require_on(a.key, device_, "key");
+  require_on(a.slot_mapping, device_, "slot_mapping");
+  ScopedDevice guard(device_.index);
+  const cudaStream_t stream = stream_of(a.stream);
+  if (checked_) validate_device_slots(a.slot_mapping, c.num_blocks() * c.block_size(), stream);
+
+  cache_ops::WriteKVParams p{};
+  p.key = a.key.data;
+  p.key_stride_token = a.key.stride(0);
+  p.key_stride_head = a.key.stride(1);
+  p.value = a.value.data;
+  p.value_stride_token = a.value.stride(0);
+  p.value_stride_head = a.value.stride(1);
+  p.slot_mapping = static_cast<const int64_t*>(a.slot_mapping.data);
+  p.slot_stride = a.slot_mapping.stride(0);
+  p.k_cache = c.key.data;
+  p.k_stride_block = c.key.stride(0);
+  p.k_stride_page = c.key.stride(1);
+  p.k_stride_head = c.key.stride(2);
+  p.v_cache = c.value.data;
+  p.v_stride_block = c.value.stride(0);
+  p.v_stride_page = c.value.stride(1);
+  p.v_stride_head = c.value.stride(2);
+  p.num_slots = int(num_slots);
+  p.num_kv_heads = config_.num_kv_heads;
+  p.head_size = config_.head_size;
+  p.block_size = c.block_size();
+  p.k_scale = a.scales.k_scale;
+  p.v_scale = a.scales.v_scale;
+  // 8-element chunks: 16 bytes of 16-bit activations; 8 bytes of fp8, 16 of 16-bit, 32 of f32.
+  const size_t cache_align = std::min<size_t>(16, 8 * dtype_size(cache_dtype_));
+  auto cache_ok = [&](const TensorView& v) {
+    return aligned(v.data, cache_align) && v.stride(0) % 8 == 0 && v.stride(1) % 8 == 0 &&
+           v.stride(2) % 8 == 0;
+  };
+  p.vectorized = config_.head_size % 8 == 0 && vec8(a.key) && vec8(a.value) && cache_ok(c.key) &&
+                 cache_ok(c.value);
+  write_->launch(p, stream);
+}
+
+void CudaImpl::forward(const ForwardArgs& a) {
+  const AttentionConfig& cfg = config_;
+  require(a.metadata != nullptr, "metadata is required");
+  const AttentionMetadata& md = *a.metadata;
+  const bool cached = uses_kv_cache(cfg.attn_type);
+  require_on(a.query, device_, "query");
+  require_on(a.output, device_, "output");
+  require<NotSupported>(a.output.dtype == cfg.dtype, "cuda backend: output must be ",
+                        dtype_name(cfg.dtype), " (the activation dtype); got ", describe(a.output));
+  if (a.lse.defined()) {
+    require_on(a.lse, device_, "lse");
+    require<NotSupported>(a.lse.dtype == DType::kF32 || a.lse.dtype == DType::kF64,
+                          "cuda backend: lse must be float32 or float64; got ", describe(a.lse));
+  }
+  ScopedDevice guard(device_.index);
+  const cudaStream_t stream = stream_of(a.stream);
+  if (checked_) {
+    const CacheGeometry geometry =
+        cached ? CacheGeometry{a.kv_cache.num_blocks(), a.kv_cache.block_size()} : CacheGeometry{};
+    validate_device_metadata(md, cfg.attn_type, geometry, stream);
+  }
+  if (md.num_seqs <= 0 || md.num_actual_tokens <= 0 || md.max_query_len <= 0) return;
+  require_on(md.query_start_loc, device_, "metadata.query_start_loc");
+
+  decode::DecodeParams p{};
+  p.q = a.query.data;
+  p.q_stride_token = a.query.stride(0);
+  p.q_stride_head = a.query.stride(1);
+  p.vec_q = vec8(a.query);
+  p.out = a.output.data;
+  p.out_stride_token = a.output.stride(0);
+  p.out_stride_head = a.output.stride(1);
+  p.vec_out = vec8(a.output);
+  if (a.lse.defined()) {
+    p.lse = a.lse.data;
+    p.lse_stride_head = a.lse.stride(0);
+    p.lse_stride_token = a.lse.stride(1);
+    p.lse_is_f64 = a.lse.dtype == DType::kF64;
+  }
+  const TensorView& k = cached ? a.kv_cache.key : a.key;
+  const TensorView& v = cached ? a.kv_cache.value : a.value;
+  require_on(k, device_, cached ? "kv_cache.key" : "key");
+  require_on(v, device_, cached ? "kv_cache.value" : "value");
+  require_16b_rows(k, cached ? "kv_cache.key" : "key", cached ? 3 : 2);
+  require_16b_rows(v, cached ? "kv_cache.value" : "value", cached ? 3 : 2);
+  p.k = k.data;
+  p.v = v.data;
+  if (cached) {
+    p.k_stride_block = k.stride(0);
+    p.k_stride_page = k.stride(1);
+    p.k_stride_head = k.stride(2);
+    p.v_stride_block = v.stride(0);
+    p.v_stride_page = v.stride(1);
+    p.v_stride_head = v.stride(2);
+    require_on(md.seq_lens, device_, "metadata.seq_lens");
+    require_on(md.block_table, device_, "metadata.block_table");
+    p.block_table = static_cast<const int32_t*>(md.block_table.data);
+    p.block_table_stride_seq = md.block_table.stride(0);
+    p.block_table_stride_block = md.block_table.stride(1);
+    p.block_size = a.kv_cache.block_size();
+  } else {
+    // Encoder types: key j of request r is row query_start_loc[r] + j ("block" = token row).
+    p.kv_direct = 1;
+    p.k_stride_block = k.stride(0);
+    p.k_stride_head = k.stride(1);
+    p.v_stride_block = v.stride(0);
+    p.v_stride_head = v.stride(1);
+    p.block_size = 1;
+  }
+  p.kv_dtype = int(cache_dtype_);
+  p.query_start_loc = static_cast<const int32_t*>(md.query_start_loc.data);
+  p.seq_lens = md.seq_lens.defined() ? static_cast<const int32_t*>(md.seq_lens.data) : nullptr;
+  p.num_seqs = md.num_seqs;
+  p.num_heads = cfg.num_heads;
+  p.num_kv_heads = cfg.num_kv_heads;
+  p.group = cfg.num_queries_per_kv();
+  p.head_size = cfg.head_size;
+  p.num_q_tiles = int((int64_t(md.max_query_len) * p.group + decode::kRows - 1) / decode::kRows);
+  p.num_actual_tokens = md.num_actual_tokens;
+
+  const bool fp8 = cached && is_fp8(cfg.kv_cache_dtype);
+  const float scale = cfg.scale * (fp8 ? a.scales.k_scale : 1.0f);
+  p.scale_log2 = scale * kLog2e;
+  if (cfg.logits_soft_cap && *cfg.logits_soft_cap > 0.0f) {
+    p.softcap = *cfg.logits_soft_cap;
+    p.softcap_arg_scale = scale / p.softcap;
+    p.softcap_log2 = p.softcap * kLog2e;
+  }
+  p.alibi_slopes = alibi_slopes_.defined() ? alibi_slopes_.data_as<const float>() : nullptr;
+  p.sinks = sinks_.defined() ? sinks_.data_as<const float>() : nullptr;
+  p.v_scale = fp8 ? a.scales.v_scale : 1.0f;
+  p.causal = cfg.causal();
+  p.window = cfg.sliding_window.value_or(0);
+  p.window_right = cfg.attn_type == AttentionType::kEncoderOnly && p.window > 0;
+
+  // Splits come from the plan; without one (or without a workspace) the launch is unsplit.
+  const auto* plan = dynamic_cast<const CudaPlan*>(a.plan);
+  p.num_splits = 1;
+  if (plan != nullptr && plan->num_splits > 1) {
+    require(plan->num_actual_tokens == md.num_actual_tokens && plan->num_heads == cfg.num_heads &&
+                plan->head_size == cfg.head_size,
+            "plan was built for ", plan->num_actual_tokens, " tokens x ", plan->num_heads,
+            " heads x head_size ", plan->head_size, "; this call has ", md.num_actual_tokens, " x ",
+            cfg.num_heads, " x ", cfg.head_size);
+    require(a.workspace.data != nullptr && a.workspace.bytes >= plan->workspace_bytes(),
+            "workspace has ", a.workspace.bytes, " bytes; the plan needs ",
+            plan->workspace_bytes());
+    require(a.workspace.data == nullptr || aligned(a.workspace.data, 256),
+            "workspace must be 256-byte aligned");
+    p.num_splits = plan->num_splits;
+    p.partial_o = static_cast<float*>(a.workspace.data);
+    p.partial_lse = reinterpret_cast<float*>(
+        static_cast<char*>(a.workspace.data) +
+        split_lse_offset(p.num_splits, md.num_actual_tokens, cfg.num_heads, cfg.head_size));
+  }
+  decode_->launch(p, stream);
+  if (p.num_splits > 1) combine_->launch(p, stream);
+}
+
+}  // namespace pagedattn::cuda

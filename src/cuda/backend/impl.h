@@ -1,0 +1,36 @@
+// One layer's CUDA implementation: its kernels resolved once, ALiBi slopes and sinks on the
+// device, and the parameter building of write_kv and forward.
+#pragma once
+
+#include "cuda/cache_ops/launch.h"
+#include "cuda/decode/launch.h"
+#include "pagedattn/backend.h"
+
+namespace pagedattn::cuda {
+
+class CudaImpl final : public AttentionImpl {
+ public:
+  /// Resolves the compiled kernels for `config` (throws NotSupported naming what is missing)
+  /// and uploads ALiBi slopes and sinks to `device`.
+  CudaImpl(const AttentionConfig& config, Device device, bool checked);
+
+  /// Launches on args.stream; allocates nothing; in checked mode validates every slot first.
+  void write_kv(const WriteKVArgs& args) override;
+  /// Launches the attention kernel (and the split combine when the plan splits) on
+  /// args.stream. Allocates nothing and never synchronises (checked mode aside), so a step can
+  /// be captured in a CUDA graph; every per-step array is read from device memory.
+  void forward(const ForwardArgs& args) override;
+
+ private:
+  AttentionConfig config_;
+  Device device_;
+  bool checked_;
+  DType cache_dtype_;  // what the kernels read K/V as (the activation dtype for encoder types)
+  const decode::DecodeKernel* decode_ = nullptr;
+  const decode::CombineKernel* combine_ = nullptr;
+  const cache_ops::WriteKVKernel* write_ = nullptr;
+  Tensor alibi_slopes_;  // float32 [num_heads] on the device, or undefined
+  Tensor sinks_;         // float32 [num_heads] on the device, or undefined
+};
+
+}  // namespace pagedattn::cuda

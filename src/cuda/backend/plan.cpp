@@ -1,0 +1,91 @@
+#include "cuda/backend/plan.h"
+
+#include <algorithm>
+
+#include "cuda/decode/config.h"
+#include "pagedattn/error.h"
+
+namespace pagedattn::cuda {
+
+int choose_num_splits(const SplitInputs& in) {
+  const int slots = in.num_sms * in.ctas_per_sm;
+  if (slots <= 0) return 1;
+  int64_t work = 0;
+  int max_kv = 0;
+  for (size_t r = 0; r < in.q_lens.size(); ++r) {
+    if (in.q_lens[r] <= 0) continue;
+    const int64_t rows = int64_t(in.q_lens[r]) * in.group;
+    work += int64_t(in.num_kv_heads) * ((rows + decode::kRows - 1) / decode::kRows);
+    max_kv = std::max(max_kv, in.kv_lens[r]);
+  }
+  if (work == 0) return 1;
+  const int s_max = std::clamp(max_kv / decode::kMinSplitTokens, 1, decode::kMaxSplits);
+  if (s_max == 1) return 1;
+  auto efficiency = [&](int s) {
+    const int64_t ctas = work * s;
+    const int64_t waves = (ctas + slots - 1) / slots;
+    return double(ctas) / double(waves * slots);
+  };
+  double best = 0;
+  for (int s = 1; s <= s_max; ++s) best = std::max(best, efficiency(s));
+  for (int s = 1; s <= s_max; ++s) {
+    if (efficiency(s) >= 0.9 * best) return s;
+  }
+  return 1;
+}
+
+namespace {
+size_t align256(size_t n) {
+  return (n + 255) / 256 * 256;
+}
+}  // namespace
+
+size_t split_lse_offset(int num_splits, int num_actual_tokens, int num_heads, int head_size) {
+  return align256(size_t(num_splits) * size_t(num_actual_tokens) * size_t(num_heads) *
+                  size_t(head_size) * sizeof(float));
+}
+
+size_t split_workspace_bytes(int num_splits, int num_actual_tokens, int num_heads, int head_size) {
+  if (num_splits <= 1) return 0;
+  return split_lse_offset(num_splits, num_actual_tokens, num_heads, head_size) +
+         align256(size_t(num_splits) * size_t(num_actual_tokens) * size_t(num_heads) *
+                  sizeof(float));
+}
+
+std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& md, const AttentionConfig& config,
+                                    int num_sms, int ctas_per_sm) {
+  auto plan = std::make_unique<CudaPlan>();
+  plan->num_actual_tokens = md.num_actual_tokens;
+  plan->num_heads = config.num_heads;
+  plan->head_size = config.head_size;
+  const TensorView& qsl = md.query_start_loc_cpu;
+  const TensorView& sl = md.seq_lens_cpu;
+  if (md.num_seqs <= 0 || md.num_actual_tokens <= 0 || !qsl.defined() || !sl.defined()) {
+    return plan;
+  }
+  detail::require(qsl.device.is_cpu() && sl.device.is_cpu(),
+                  "plan: metadata.query_start_loc_cpu and seq_lens_cpu must be host views");
+  SplitInputs in;
+  in.num_sms = num_sms;
+  in.ctas_per_sm = ctas_per_sm;
+  in.num_kv_heads = config.num_kv_heads;
+  in.group = config.num_queries_per_kv();
+  const bool cached = uses_kv_cache(config.attn_type);
+  auto at = [](const TensorView& v, int i) {
+    return static_cast<const int32_t*>(v.data)[int64_t(i) * v.stride(0)];
+  };
+  for (int r = 0; r < md.num_seqs; ++r) {
+    const int q = at(qsl, r + 1) - at(qsl, r);
+    int kv = cached ? at(sl, r) : q;
+    // A window caps what any of the request's rows sees at W + q - 1 keys.
+    if (config.sliding_window) kv = std::min(kv, *config.sliding_window + q - 1);
+    in.q_lens.push_back(q);
+    in.kv_lens.push_back(kv);
+  }
+  plan->num_splits = choose_num_splits(in);
+  plan->workspace = split_workspace_bytes(plan->num_splits, md.num_actual_tokens, config.num_heads,
+                                          config.head_size);
+  return plan;
+}
+
+}  // namespace pagedattn::cuda

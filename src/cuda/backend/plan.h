@@ -1,0 +1,54 @@
+// The CUDA backend's per-step schedule: how many KV splits a decode launch uses, and the
+// scratch they need. Built on the host from the metadata's *_cpu mirrors and scalars only.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "pagedattn/backend.h"
+
+namespace pagedattn::cuda {
+
+/// One step's decisions for one layer shape. A captured graph keeps using the plan it was
+/// captured with: every split count is correct for any seq_lens (the kernel cuts each
+/// request's keys into num_splits pieces itself), only the balance may be worse.
+class CudaPlan final : public Plan {
+ public:
+  int num_splits = 1;         ///< grid.y of the attention kernel; > 1 adds the combine kernel
+  int num_actual_tokens = 0;  ///< T_a the workspace is sized for
+  int num_heads = 0, head_size = 0;
+  size_t workspace = 0;  ///< partial outputs and LSEs (0 when num_splits == 1)
+  size_t workspace_bytes() const override { return workspace; }
+};
+
+/// What the split heuristic looks at.
+struct SplitInputs {
+  int num_sms = 0;      ///< multiprocessors of the device
+  int ctas_per_sm = 0;  ///< resident CTAs of the chosen kernel per SM (occupancy)
+  int num_kv_heads = 0;
+  int group = 1;             ///< query heads per KV head
+  std::vector<int> q_lens;   ///< per request
+  std::vector<int> kv_lens;  ///< keys a request's rows can see (window-limited)
+};
+
+/// The number of KV splits (flash-decoding). CTAs without splitting:
+/// work = sum over requests of num_kv_heads * ceil(q_len * G / 16). Splits multiply it; the
+/// choice is the smallest s in [1, s_max] whose wave efficiency
+///   eff(s) = work*s / (slots * ceil(work*s / slots)),  slots = num_sms * ctas_per_sm,
+/// reaches 90% of the best over that range, where s_max keeps >= kMinSplitTokens keys per
+/// split of the longest request and at most kMaxSplits. A batch that already fills the
+/// machine (eff(1) high) stays unsplit; one long request on 8 KV heads gets ~16-33 splits.
+int choose_num_splits(const SplitInputs& in);
+
+/// Workspace bytes of `num_splits` partials: [S, T, H, D] float outputs and [S, T, H] float
+/// LSEs, each 256-byte aligned.
+size_t split_workspace_bytes(int num_splits, int num_actual_tokens, int num_heads, int head_size);
+/// Byte offset of the partial LSEs inside that workspace.
+size_t split_lse_offset(int num_splits, int num_actual_tokens, int num_heads, int head_size);
+
+/// Builds the plan for `metadata` and `config` on a device with `num_sms` SMs holding
+/// `ctas_per_sm` CTAs of the kernel that will run (0 = unknown: no splitting).
+std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& metadata,
+                                    const AttentionConfig& config, int num_sms, int ctas_per_sm);
+
+}  // namespace pagedattn::cuda

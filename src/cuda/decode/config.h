@@ -1,0 +1,125 @@
+// Tile sizes and pipeline depth of the decode family, each with its reason. Host and device
+// code both read these (smem_layout sizes the dynamic shared memory on both sides).
+#pragma once
+
+#include <cstdint>
+
+#include "pagedattn/dtype.h"
+
+namespace pagedattn::cuda::decode {
+
+/// How a compiled instance reads the KV cache.
+enum class KVKind : uint8_t {
+  kSame,  ///< 16-bit cache of the activation dtype: tensor cores straight from the stage
+  kFp8,   ///< e4m3 / e5m2 (chosen at run time): widened exactly to the activation dtype in smem
+  kAny,   ///< any cache dtype and any head size (run time): float CUDA-core math, the slow path
+};
+
+/// Packed query rows per CTA (row p = query token p / G, head kv_head * G + p % G): one
+/// m16n8k16 M tile. Decode has G * q_len rows (4 for GQA 32/8, 16 for GQA 32/8 with 4-token
+/// queries); more rows become more CTAs over the same KV, which L2 then serves.
+inline constexpr int kRows = 16;
+/// KV tokens a warp takes per pipeline stage: the k extent of one P*V mma and two n tiles of S.
+inline constexpr int kTileTokens = 16;
+/// Largest head size any instance serves (the generic kernel sizes its registers for it).
+inline constexpr int kMaxHeadSize = 256;
+/// Split-KV bounds: at most this many splits (the combine kernel reads one LSE per lane, two
+/// lanes' worth), and at least this many KV tokens per split (below it the partial-output
+/// traffic and the per-CTA prologue outweigh the parallelism gained).
+inline constexpr int kMaxSplits = 64;
+inline constexpr int kMinSplitTokens = 256;
+/// Shared memory a CTA may take and still share the SM with another (228 KB per SM, 1 KB
+/// reserved per CTA): two CTAs keep 8 warps of loads in flight.
+inline constexpr int kTwoCtaSmemBudget = 113 * 1024;
+/// Largest opt-in dynamic shared memory per CTA on sm_90.
+inline constexpr int kMaxSmemPerCta = 227 * 1024;
+
+/// Byte offsets of the dynamic shared memory of one CTA.
+struct SmemLayout {
+  int q_row_bytes = 0;     ///< Q tile [kRows][head_size], 16 bytes of padding per row
+  int kv_row_bytes = 0;    ///< raw cache rows of a stage, padded by 16 bytes
+  int conv_row_bytes = 0;  ///< rows of the widened copy of a stage (fp8 and generic), or 0
+  int stage_bytes = 0;     ///< one warp's stage: K tile then V tile, kTileTokens rows each
+  int stage_offset = 0;    ///< [warps][stages] stage tiles
+  int conv_offset = 0;     ///< [warps] widened K and V tiles
+  int p_offset = 0;        ///< generic only: [warps][kRows][kTileTokens + 1] float P tile
+  int merge_offset = 0;    ///< after the main loop, over the stages: per-warp O, m, l
+  int merge_o_row = 0;     ///< floats per O row in the merge area (head_size + 4)
+  int total = 0;
+};
+
+/// The shared-memory layout of one CTA. 16 bytes of padding per row move consecutive rows by 4
+/// banks (the row length in 16-byte units is odd for every head size that is a multiple of
+/// 16), so the 8 rows one ldmatrix reads hit 8 different bank groups: no conflicts, no
+/// swizzle. Device code calls this too (nvcc's --expt-relaxed-constexpr).
+constexpr SmemLayout smem_layout(int head_size, int kv_elem_bytes, bool mma, bool widen, int warps,
+                                 int stages) {
+  SmemLayout s;
+  s.q_row_bytes = head_size * (mma ? 2 : 4) + 16;
+  s.kv_row_bytes = head_size * kv_elem_bytes + 16;
+  s.conv_row_bytes = widen ? head_size * (mma ? 2 : 4) + 16 : 0;
+  s.stage_bytes = 2 * kTileTokens * s.kv_row_bytes;
+  const int q_bytes = kRows * s.q_row_bytes;
+  s.stage_offset = q_bytes;
+  s.conv_offset = s.stage_offset + warps * stages * s.stage_bytes;
+  s.p_offset = s.conv_offset + warps * 2 * kTileTokens * s.conv_row_bytes;
+  const int main_end = s.p_offset + (mma ? 0 : warps * kRows * (kTileTokens + 1) * 4);
+  s.merge_offset = q_bytes;
+  s.merge_o_row = head_size + 4;
+  const int merge_end = s.merge_offset + warps * kRows * (s.merge_o_row + 2) * 4;
+  s.total = main_end > merge_end ? main_end : merge_end;
+  return s;
+}
+
+/// Pipeline depth of a tensor-core instance. Decode is bound by bytes in flight (HBM3e needs
+/// 32-64 KB per SM outstanding): take 3-4 stages with two CTAs per SM when they fit, else one
+/// CTA per SM with as many stages (up to 4) as fit in 227 KB.
+constexpr int mma_stages(int head_size, int kv_elem_bytes, bool widen) {
+  for (int stages = 4; stages >= 3; --stages) {
+    if (smem_layout(head_size, kv_elem_bytes, true, widen, 4, stages).total <= kTwoCtaSmemBudget) {
+      return stages;
+    }
+  }
+  for (int stages = 4; stages >= 2; --stages) {
+    if (smem_layout(head_size, kv_elem_bytes, true, widen, 4, stages).total <= kMaxSmemPerCta) {
+      return stages;
+    }
+  }
+  return 1;
+}
+
+/// One compiled decode kernel. kHeadSize is 0 for the generic (kAny) kernel, which takes any
+/// head size that is a multiple of 16 up to kMaxHeadSize at run time.
+template <DType kAct, KVKind kKV, int kHeadSize>
+struct Traits {
+  static constexpr DType act = kAct;
+  static constexpr KVKind kv = kKV;
+  static constexpr int head_size = kHeadSize;
+  /// Tensor cores (mma.sync m16n8k16, fp32 accumulation) for 16-bit activations with a cache
+  /// of the same type or fp8, whose values are exact in that type. Everything else (float32
+  /// activations, mixed 16-bit types) runs float math on CUDA cores, which also keeps float32
+  /// results within float32 error.
+  static constexpr bool kMma = kKV != KVKind::kAny;
+  static_assert(kMma == (kHeadSize > 0), "tensor-core instances fix the head size");
+  static_assert(!kMma || (kAct == DType::kF16 || kAct == DType::kBF16));
+  static_assert(!kMma || (kHeadSize % 16 == 0 && kHeadSize <= kMaxHeadSize));
+  /// 4 warps split the KV range of a CTA (tile w, w+4, ...) and merge in smem at the end; the
+  /// generic kernel keeps 2 so that its float32 stages fit at head size 256.
+  static constexpr int kWarps = kMma ? 4 : 2;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kKvBytes = kKV == KVKind::kSame ? 2 : (kKV == KVKind::kFp8 ? 1 : 4);
+  static constexpr bool kWiden = kKV != KVKind::kSame;
+  static constexpr int kStages = kMma ? mma_stages(kHeadSize, kKvBytes, kWiden) : 2;
+  /// Split boundaries fall on multiples of this, so every warp of a split gets whole tiles.
+  static constexpr int kSplitAlign = kWarps * kTileTokens;
+  /// Keep Q's fragments in registers up to head size 128 (32 registers); above, reload them
+  /// from smem each tile so O (head_size / 2 floats per thread) fits.
+  static constexpr bool kQInRegisters = kMma && kHeadSize <= 128;
+  /// Shared memory of the largest problem this instance serves.
+  static constexpr SmemLayout max_layout() {
+    return kMma ? smem_layout(kHeadSize, kKvBytes, true, kWiden, kWarps, kStages)
+                : smem_layout(kMaxHeadSize, 4, false, true, kWarps, kStages);
+  }
+};
+
+}  // namespace pagedattn::cuda::decode

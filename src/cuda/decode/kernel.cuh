@@ -1,0 +1,677 @@
+// Paged attention for requests with few new query tokens (decode, speculative-decode
+// verification), with a simple q-tiled path that is also correct for long queries.
+//
+// Map
+//   computes  for every query row (token i of request r, head h) softmax over the visible keys
+//             j of scale*q.k (soft cap, ALiBi, causal offset, sliding window, sinks) times V,
+//             and the natural-log LSE: spec section 4 / docs/semantics.md, matched against the
+//             float64 reference. fp8 K/V are widened exactly; k_scale is folded into the logit
+//             scale and v_scale into the output.
+//   grid      x = num_seqs * num_kv_heads * num_q_tiles (q tile fastest, so CTAs that read the
+//             same KV run side by side), y = num_splits. A CTA owns kRows = 16 packed rows
+//             (row p = token p / G, head kv_head * G + p % G: every query head and token of
+//             one KV head, so each K/V byte is fetched once for all of them) and the keys of
+//             its split.
+//   warps     kWarps warps split the CTA's keys tile by tile (warp w takes tiles w, w + kWarps,
+//             ...); each runs its own cp.async pipeline of kStages stages of kTileTokens keys
+//             with no CTA barrier in the main loop, keeps its own online-softmax state, and the
+//             warps merge through shared memory at the end.
+//   math      tensor-core instances: S = Q K^T and O += P V with mma.sync m16n8k16 (fp32
+//             accumulation), Q and K/V fed by ldmatrix from padded rows, P rounded to the
+//             activation dtype as the reference's low-precision model does. The generic
+//             instance does the same in float on CUDA cores. Softmax runs in log2 units (one
+//             exp2 per score; log2(e) folded into the scale).
+//   loads     16-byte cp.async.cg with an L2 evict-first policy; the row address of every key
+//             comes from the block table, looked up one tile ahead; rows past the split are
+//             zero-filled and masked.
+//   budget    smem: config.h smem_layout (e.g. 106 KB at head size 128 bf16: 2 CTAs per SM,
+//             ~128 KB of loads in flight per SM); registers: O is head_size / 2 floats per
+//             thread. docs/kernel_notes.md has the ptxas figures.
+//   test      tests/cuda and `backend_ops test --device cuda` (every feature against float64);
+//             time with bench/gpu/bench_decode (bench/gpu/run_h200.sh runs both).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/arch/sm80/ptx.cuh"
+#include "cuda/common/check.h"
+#include "cuda/common/dtypes.cuh"
+#include "cuda/decode/config.h"
+#include "cuda/decode/launch.h"
+#include "cuda/decode/params.h"
+
+namespace pagedattn::cuda::decode {
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+__host__ __device__ constexpr int ceil_div(int a, int b) {
+  return (a + b - 1) / b;
+}
+
+/// Bytes of one element of a cache dtype given as a DType code.
+__host__ __device__ constexpr int kv_elem_bytes(int dtype) {
+  return dtype == int(DType::kF32)
+             ? 4
+             : (dtype == int(DType::kF16) || dtype == int(DType::kBF16) ? 2 : 1);
+}
+
+/// The shared-memory layout a launch of instance T uses for this problem.
+template <class T>
+__host__ __device__ constexpr SmemLayout layout_for(int head_size, int kv_dtype) {
+  if constexpr (T::kMma) {
+    return T::max_layout();
+  } else {
+    return smem_layout(head_size, kv_elem_bytes(kv_dtype), false, true, T::kWarps, T::kStages);
+  }
+}
+
+// The keys query row `row` (0-based inside the CTA) may see: [lo, hi), at absolute position pos.
+struct RowRange {
+  int lo = 0, hi = 0, pos = 0;
+};
+
+struct Work {
+  int r, kv_head, row0, num_rows, q_begin, q_len, kv_len;
+  int kv_begin, kv_end;  // this split's keys
+};
+
+__device__ __forceinline__ RowRange row_range(const DecodeParams& p, const Work& w, int row) {
+  RowRange rr;
+  const int i = (w.row0 + row) / p.group;  // query token of the packed row
+  rr.pos = w.kv_len - w.q_len + i;
+  rr.lo = 0;
+  rr.hi = w.kv_len;
+  if (p.causal) rr.hi = min(rr.hi, rr.pos + 1);
+  if (p.window > 0) {
+    rr.lo = max(0, rr.pos - p.window + 1);
+    if (p.window_right) rr.hi = min(rr.hi, rr.pos + p.window);
+  }
+  return rr;
+}
+
+// State of one of the two rows a thread owns in the mma fragment layout (rows g and g + 8).
+struct ThreadRow {
+  int lo, hi;    // visible keys clamped to the split; lo >= hi for padding rows
+  int pos;       // absolute position of the query token
+  float alibi2;  // ALiBi slope * log2(e), 0 without ALiBi
+};
+
+// Scale, soft cap, ALiBi and mask of one 16-key tile of S (this thread's 8 scores), then the
+// online-softmax update: s becomes P (float), m / l / o are rescaled.
+template <int kNt>
+__device__ __forceinline__ void softmax_tile(const DecodeParams& p, float (&s)[2][4],
+                                             const ThreadRow (&rows)[2], int tile_start,
+                                             bool need_mask, int t4, float (&m)[2], float (&l)[2],
+                                             float (&o)[kNt][4]) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const ThreadRow& rw = rows[c >> 1];
+      const int j = tile_start + nt * 8 + 2 * t4 + (c & 1);
+      float x = s[nt][c];
+      x = p.softcap > 0.0f ? p.softcap_log2 * tanhf(x * p.softcap_arg_scale) : x * p.scale_log2;
+      if (p.alibi_slopes != nullptr) x += rw.alibi2 * float(j - rw.pos);
+      if (need_mask && (j < rw.lo || j >= rw.hi)) x = -INFINITY;
+      s[nt][c] = x;
+    }
+  }
+  float mx[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+    // The four threads of a quad hold the 16 keys of a row.
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+  }
+  float corr[2], base[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float m_new = fmaxf(m[h], mx[h]);
+    base[h] = m_new == -INFINITY ? 0.0f : m_new;  // a row with no visible key yet: no NaN
+    corr[h] = exp2f(m[h] - base[h]);
+    m[h] = m_new;
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) s[nt][c] = exp2f(s[nt][c] - base[c >> 1]);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] = l[h] * corr[h] + (s[0][2 * h] + s[0][2 * h + 1]) + (s[1][2 * h] + s[1][2 * h + 1]);
+  }
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) {
+    o[nt][0] *= corr[0];
+    o[nt][1] *= corr[0];
+    o[nt][2] *= corr[1];
+    o[nt][3] *= corr[1];
+  }
+}
+
+// Widens one warp's stage (K tile then V tile, kTileTokens rows each) into the conversion
+// buffer: fp8 -> the 16-bit activation type for the tensor-core kernel, anything -> float for
+// the generic kernel. `chunks_per_row` counts 16-byte chunks of a source row.
+template <class T>
+__device__ __forceinline__ void widen_stage(const DecodeParams& p, const SmemLayout& lay,
+                                            const unsigned char* stage, unsigned char* conv,
+                                            int chunks_per_row, int lane) {
+  const int per_tensor = kTileTokens * chunks_per_row;
+  for (int c = lane; c < 2 * per_tensor; c += 32) {
+    const int tensor = c >= per_tensor ? 1 : 0;
+    const int rem = c - tensor * per_tensor;
+    const int row = rem / chunks_per_row, col = rem - row * chunks_per_row;
+    const uint4 raw = *reinterpret_cast<const uint4*>(
+        stage + (tensor * kTileTokens + row) * lay.kv_row_bytes + col * 16);
+    unsigned char* dst_row = conv + (tensor * kTileTokens + row) * lay.conv_row_bytes;
+    if constexpr (T::kMma) {
+      // 16 fp8 values -> 16 x 16 bits (32 bytes).
+      const bool e5m2 = p.kv_dtype == int(DType::kFp8E5M2);
+      const uint16_t* two = reinterpret_cast<const uint16_t*>(&raw);
+      uint4 out[2];
+      uint32_t* o32 = reinterpret_cast<uint32_t*>(out);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o32[i] = fp8x2_to_16bit<T::act>(two[i], e5m2);
+      uint4* dst = reinterpret_cast<uint4*>(dst_row + col * 32);
+      dst[0] = out[0];
+      dst[1] = out[1];
+    } else {
+      // Any dtype -> float: 4, 8 or 16 values per 16-byte chunk.
+      float* dst = reinterpret_cast<float*>(dst_row);
+      switch (kv_elem_bytes(p.kv_dtype)) {
+        case 4:
+          reinterpret_cast<float4*>(dst)[col] = *reinterpret_cast<const float4*>(&raw);
+          break;
+        case 2: {
+          const uint16_t* h = reinterpret_cast<const uint16_t*>(&raw);
+          const bool is_bf16 = p.kv_dtype == int(DType::kBF16);
+          float f[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            f[i] = is_bf16 ? __bfloat162float(__ushort_as_bfloat16(h[i]))
+                           : __half2float(__ushort_as_half(h[i]));
+          }
+          float4* d4 = reinterpret_cast<float4*>(dst) + 2 * col;
+          d4[0] = make_float4(f[0], f[1], f[2], f[3]);
+          d4[1] = make_float4(f[4], f[5], f[6], f[7]);
+          break;
+        }
+        default: {
+          const uint16_t* two = reinterpret_cast<const uint16_t*>(&raw);
+          const bool e5m2 = p.kv_dtype == int(DType::kFp8E5M2);
+          float4* d4 = reinterpret_cast<float4*>(dst) + 4 * col;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const __half2_raw lo =
+                __nv_cvt_fp8x2_to_halfraw2(two[2 * i], e5m2 ? __NV_E5M2 : __NV_E4M3);
+            const __half2_raw hi =
+                __nv_cvt_fp8x2_to_halfraw2(two[2 * i + 1], e5m2 ? __NV_E5M2 : __NV_E4M3);
+            const float2 a = __half22float2(__half2(lo)), b = __half22float2(__half2(hi));
+            d4[i] = make_float4(a.x, a.y, b.x, b.y);
+          }
+          break;
+        }
+      }
+    }
+  }
+}
+
+// Final rows: sinks, v scale, output and LSE (also used by the combine kernel). `o8` holds 8
+// normalised, v-scaled values of row (t, h) starting at column c8 * 8.
+template <DType kAct>
+__device__ __forceinline__ void store_final(const DecodeParams& p, int t, int h, int c8,
+                                            float (&o8)[8], float lse2) {
+  if (p.sinks != nullptr) {
+    // The sink joins the denominator only: out *= e^lse / (e^lse + e^sink).
+    const float sink2 = p.sinks[h] * kLog2e;
+    const float mx = fmaxf(lse2, sink2);
+    const float total = mx + log2f(exp2f(lse2 - mx) + exp2f(sink2 - mx));
+    const float factor = exp2f(lse2 - total);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o8[i] *= factor;
+    lse2 = total;
+  }
+  char* out = static_cast<char*>(p.out) +
+              (int64_t(t) * p.out_stride_token + int64_t(h) * p.out_stride_head + c8 * 8) *
+                  kElemBytes<kAct>;
+  if (p.vec_out) {
+    if constexpr (kAct == DType::kF32) {
+      reinterpret_cast<float4*>(out)[0] = make_float4(o8[0], o8[1], o8[2], o8[3]);
+      reinterpret_cast<float4*>(out)[1] = make_float4(o8[4], o8[5], o8[6], o8[7]);
+    } else {
+      uint4 raw;
+      uint32_t* r32 = reinterpret_cast<uint32_t*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r32[i] = pack2<kAct>(o8[2 * i], o8[2 * i + 1]);
+      *reinterpret_cast<uint4*>(out) = raw;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) store_from_float<kAct>(out, i, o8[i]);
+  }
+  if (p.lse != nullptr && c8 == 0) {
+    const int64_t at = int64_t(h) * p.lse_stride_head + int64_t(t) * p.lse_stride_token;
+    const float lse = lse2 * kLn2;  // -inf stays -inf
+    if (p.lse_is_f64) {
+      static_cast<double*>(p.lse)[at] = double(lse);
+    } else {
+      static_cast<float*>(p.lse)[at] = lse;
+    }
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads)
+    decode_kernel(const __grid_constant__ DecodeParams p) {
+  static_assert(T::kStages >= 2, "the pipeline needs two stages");
+  constexpr int kWarps = T::kWarps;
+  // Columns of O per thread: head_size / 8 n tiles of 8 (the generic kernel sizes for the max).
+  constexpr int kNt = (T::kMma ? T::head_size : kMaxHeadSize) / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t4 = lane & 3;  // fragment row group and thread in group
+
+  // ---- which rows and keys this CTA owns ----
+  Work w;
+  {
+    int x = blockIdx.x;
+    const int q_tile = x % p.num_q_tiles;
+    x /= p.num_q_tiles;
+    w.kv_head = x % p.num_kv_heads;
+    w.r = x / p.num_kv_heads;
+    w.q_begin = p.query_start_loc[w.r];
+    w.q_len = p.query_start_loc[w.r + 1] - w.q_begin;
+    w.row0 = q_tile * kRows;
+  }
+  const int rows_total = w.q_len * p.group;
+  if (w.row0 >= rows_total) return;  // a shorter query than the longest: nothing here
+  w.num_rows = min(kRows, rows_total - w.row0);
+  w.kv_len = p.kv_direct ? w.q_len : p.seq_lens[w.r];
+  // Key bounds grow with the row's token, so the first and last rows bound the CTA's range.
+  const RowRange first = row_range(p, w, 0), last = row_range(p, w, w.num_rows - 1);
+  {
+    const int range_lo = first.lo, range_hi = max(last.hi, first.lo);
+    const int chunk =
+        ceil_div(ceil_div(range_hi - range_lo, p.num_splits), T::kSplitAlign) * T::kSplitAlign;
+    w.kv_begin = min(range_lo + int(blockIdx.y) * chunk, range_hi);
+    w.kv_end = min(w.kv_begin + chunk, range_hi);
+  }
+  // Tiles [lo_max, hi_min) need no mask for any row.
+  const int lo_max = max(last.lo, w.kv_begin), hi_min = min(first.hi, w.kv_end);
+
+  const int head_size = T::kMma ? kNt * 8 : p.head_size;
+  const int nt_active = head_size / 8;
+  const SmemLayout lay = layout_for<T>(p.head_size, p.kv_dtype);
+  const int kv_bytes = T::kMma ? T::kKvBytes : kv_elem_bytes(p.kv_dtype);
+  const int chunks_per_row = head_size * kv_bytes / 16;
+
+  ThreadRow rows[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = g + 8 * h;
+    if (row < w.num_rows) {
+      const RowRange rr = row_range(p, w, row);
+      rows[h].lo = max(rr.lo, w.kv_begin);
+      rows[h].hi = min(rr.hi, w.kv_end);
+      rows[h].pos = rr.pos;
+      const int head = w.kv_head * p.group + (w.row0 + row) % p.group;
+      rows[h].alibi2 = p.alibi_slopes != nullptr ? p.alibi_slopes[head] * kLog2e : 0.0f;
+    } else {
+      rows[h] = ThreadRow{0, 0, 0, 0.0f};  // padding row: every key masked
+    }
+  }
+
+  // ---- Q tile -> smem (zeros for padding rows) ----
+  {
+    const int q_chunks = head_size / 8;  // 8 elements per chunk
+    for (int c = threadIdx.x; c < kRows * q_chunks; c += T::kThreads) {
+      const int row = c / q_chunks, col = c - row * q_chunks;
+      unsigned char* dst = smem + row * lay.q_row_bytes;
+      const char* src = nullptr;
+      if (row < w.num_rows) {
+        const int pr = w.row0 + row;
+        const int head = w.kv_head * p.group + pr % p.group;
+        src = static_cast<const char*>(p.q) +
+              ((int64_t(w.q_begin) + pr / p.group) * p.q_stride_token +
+               int64_t(head) * p.q_stride_head + col * 8) *
+                  kElemBytes<T::act>;
+      }
+      if constexpr (T::kMma) {
+        // The activation bits as they are: the tensor cores take Q in its own dtype.
+        uint4 raw = make_uint4(0, 0, 0, 0);
+        if (src != nullptr) {
+          if (p.vec_q) {
+            raw = *reinterpret_cast<const uint4*>(src);
+          } else {
+            uint16_t* r16 = reinterpret_cast<uint16_t*>(&raw);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) r16[i] = reinterpret_cast<const uint16_t*>(src)[i];
+          }
+        }
+        *reinterpret_cast<uint4*>(dst + col * 16) = raw;
+      } else {
+        float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (src != nullptr) {
+          if (T::act == DType::kF32 && p.vec_q) {
+            const float4 a = reinterpret_cast<const float4*>(src)[0];
+            const float4 b = reinterpret_cast<const float4*>(src)[1];
+            f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+            f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+          } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) f[i] = load_as_float<T::act>(src, i);
+          }
+        }
+        float4* d4 = reinterpret_cast<float4*>(dst) + col * 2;
+        d4[0] = make_float4(f[0], f[1], f[2], f[3]);
+        d4[1] = make_float4(f[4], f[5], f[6], f[7]);
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- per-warp pipeline over this warp's tiles ----
+  const int n_tiles = ceil_div(w.kv_end - w.kv_begin, kTileTokens);
+  const int n_wt = n_tiles > warp ? ceil_div(n_tiles - warp, kWarps) : 0;
+  auto tile_start = [&](int k) { return w.kv_begin + (warp + k * kWarps) * kTileTokens; };
+  unsigned char* const my_stages = smem + lay.stage_offset + warp * T::kStages * lay.stage_bytes;
+  unsigned char* const my_conv =
+      smem + lay.conv_offset + warp * 2 * kTileTokens * lay.conv_row_bytes;
+  const uint64_t policy = sm80::l2_evict_first_policy();
+  const char* const k_base = static_cast<const char*>(p.k);
+  const char* const v_base = static_cast<const char*>(p.v);
+
+  // Lane l looks up key row (l % 16) of a tile: its block id (or token row, kv_direct) and
+  // offset in the block. Done one tile ahead of the copy that needs it.
+  struct RowRef {
+    int block, offset;
+    bool valid;
+  };
+  auto lookup = [&](int k) {
+    RowRef ref{0, 0, false};
+    const int pos = tile_start(k) + (lane & 15);
+    if (k < n_wt && pos < w.kv_end) {
+      ref.valid = true;
+      if (p.kv_direct) {
+        ref.block = w.q_begin + pos;
+      } else {
+        const int lb = pos / p.block_size;
+        ref.offset = pos - lb * p.block_size;
+        ref.block = p.block_table[int64_t(w.r) * p.block_table_stride_seq +
+                                  int64_t(lb) * p.block_table_stride_block];
+      }
+    }
+    return ref;
+  };
+  auto issue = [&](int stage, int k, const RowRef& ref) {
+    if (k >= n_wt) return;  // warp-uniform
+    unsigned char* sk = my_stages + stage * lay.stage_bytes;
+    unsigned char* sv = sk + kTileTokens * lay.kv_row_bytes;
+    int64_t koff = 0, voff = 0;
+    if (ref.valid) {
+      koff = (int64_t(ref.block) * p.k_stride_block + int64_t(ref.offset) * p.k_stride_page +
+              int64_t(w.kv_head) * p.k_stride_head) *
+             kv_bytes;
+      voff = (int64_t(ref.block) * p.v_stride_block + int64_t(ref.offset) * p.v_stride_page +
+              int64_t(w.kv_head) * p.v_stride_head) *
+             kv_bytes;
+    }
+    const int n_chunks = kTileTokens * chunks_per_row;
+    // Every lane runs every iteration (the shuffles need the whole warp); copies are predicated.
+    for (int c0 = 0; c0 < n_chunks; c0 += 32) {
+      const int c = c0 + lane;
+      const int row = min(c, n_chunks - 1) / chunks_per_row, col = c - row * chunks_per_row;
+      const int64_t ko = __shfl_sync(0xffffffffu, koff, row);
+      const int64_t vo = __shfl_sync(0xffffffffu, voff, row);
+      const int ok = __shfl_sync(0xffffffffu, int(ref.valid), row);
+      if (c < n_chunks) {
+        const int bytes = ok ? 16 : 0;  // rows past the split: zeros, masked later
+        sm80::cp_async_16(sm80::smem_addr(sk + row * lay.kv_row_bytes + col * 16),
+                          ok ? k_base + ko + col * 16 : k_base, bytes, policy);
+        sm80::cp_async_16(sm80::smem_addr(sv + row * lay.kv_row_bytes + col * 16),
+                          ok ? v_base + vo + col * 16 : v_base, bytes, policy);
+      }
+    }
+  };
+
+  float o[kNt][4];
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+  // Lane address parts for ldmatrix (see sm80::ldmatrix_x4): Q as the A operand (matrices
+  // rows 0-7 / 8-15 x dims +0 / +8), K as B of S = Q K^T (tokens 0-7 / 8-15 x dims +0 / +8),
+  // V as B of O = P V, transposed (tokens 0-7 / 8-15 x dims +0 / +8).
+  const int mi = lane >> 3, r8 = lane & 7;
+  const int qa_row = (mi & 1) * 8 + r8, qa_col = (mi >> 1) * 8;
+  const int kb_row = (mi >> 1) * 8 + r8, kb_col = (mi & 1) * 8;
+  const int vb_row = (mi & 1) * 8 + r8, vb_col = (mi >> 1) * 8;
+  const uint32_t q_lane_addr = sm80::smem_addr(smem) + qa_row * lay.q_row_bytes + qa_col * 2;
+
+  constexpr int kQRegs = T::kQInRegisters ? kNt / 2 : 1;
+  uint32_t qf[kQRegs][4];
+  if constexpr (T::kQInRegisters) {
+#pragma unroll
+    for (int ks = 0; ks < kNt / 2; ++ks) sm80::ldmatrix_x4(qf[ks], q_lane_addr + ks * 32);
+  }
+
+  auto compute = [&](int stage, int ts) {
+    const unsigned char* kt = my_stages + stage * lay.stage_bytes;
+    const unsigned char* vt = kt + kTileTokens * lay.kv_row_bytes;
+    int row_bytes = lay.kv_row_bytes;
+    if constexpr (T::kWiden) {
+      widen_stage<T>(p, lay, kt, my_conv, chunks_per_row, lane);
+      __syncwarp();
+      kt = my_conv;
+      vt = my_conv + kTileTokens * lay.conv_row_bytes;
+      row_bytes = lay.conv_row_bytes;
+    }
+    const bool need_mask = !(ts >= lo_max && ts + kTileTokens <= hi_min);
+    float s[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+    if constexpr (T::kMma) {
+      constexpr bool kBF16 = T::act == DType::kBF16;
+      const uint32_t k_addr = sm80::smem_addr(kt) + kb_row * row_bytes + kb_col * 2;
+#pragma unroll
+      for (int ks = 0; ks < kNt / 2; ++ks) {
+        uint32_t b[4];
+        sm80::ldmatrix_x4(b, k_addr + ks * 32);
+        if constexpr (T::kQInRegisters) {
+          sm80::mma_16816<kBF16>(s[0], qf[ks], b[0], b[1]);
+          sm80::mma_16816<kBF16>(s[1], qf[ks], b[2], b[3]);
+        } else {
+          uint32_t a[4];
+          sm80::ldmatrix_x4(a, q_lane_addr + ks * 32);
+          sm80::mma_16816<kBF16>(s[0], a, b[0], b[1]);
+          sm80::mma_16816<kBF16>(s[1], a, b[2], b[3]);
+        }
+      }
+      softmax_tile<kNt>(p, s, rows, ts, need_mask, t4, m, l, o);
+      const uint32_t pa[4] = {pack2<T::act>(s[0][0], s[0][1]), pack2<T::act>(s[0][2], s[0][3]),
+                              pack2<T::act>(s[1][0], s[1][1]), pack2<T::act>(s[1][2], s[1][3])};
+      const uint32_t v_addr = sm80::smem_addr(vt) + vb_row * row_bytes + vb_col * 2;
+#pragma unroll
+      for (int np = 0; np < kNt / 2; ++np) {
+        uint32_t b[4];
+        sm80::ldmatrix_x4_trans(b, v_addr + np * 32);
+        sm80::mma_16816<kBF16>(o[2 * np], pa, b[0], b[1]);
+        sm80::mma_16816<kBF16>(o[2 * np + 1], pa, b[2], b[3]);
+      }
+    } else {
+      // Float math in the fragment layout of the tensor-core path: this thread owns rows g,
+      // g + 8 and keys 2*t4 + {0, 1} (+ 8) of S, and columns nt * 8 + 2*t4 + {0, 1} of O.
+      const float* qf32 = reinterpret_cast<const float*>(smem);
+      const int q_ld = lay.q_row_bytes / 4, kv_ld = row_bytes / 4;
+      const float* qa = qf32 + g * q_ld;
+      const float* qb = qf32 + (g + 8) * q_ld;
+      const float* kf = reinterpret_cast<const float*>(kt);
+      const float* k0 = kf + (2 * t4) * kv_ld;
+      const float* k2 = kf + (8 + 2 * t4) * kv_ld;
+      for (int d = 0; d < head_size; d += 4) {
+        const float4 a = *reinterpret_cast<const float4*>(qa + d);
+        const float4 b = *reinterpret_cast<const float4*>(qb + d);
+        const float4 kv[4] = {*reinterpret_cast<const float4*>(k0 + d),
+                              *reinterpret_cast<const float4*>(k0 + kv_ld + d),
+                              *reinterpret_cast<const float4*>(k2 + d),
+                              *reinterpret_cast<const float4*>(k2 + kv_ld + d)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float& sa = s[j >> 1][j & 1];
+          float& sb = s[j >> 1][2 + (j & 1)];
+          sa = fmaf(a.x, kv[j].x, fmaf(a.y, kv[j].y, fmaf(a.z, kv[j].z, fmaf(a.w, kv[j].w, sa))));
+          sb = fmaf(b.x, kv[j].x, fmaf(b.y, kv[j].y, fmaf(b.z, kv[j].z, fmaf(b.w, kv[j].w, sb))));
+        }
+      }
+      softmax_tile<kNt>(p, s, rows, ts, need_mask, t4, m, l, o);
+      // P through smem: each thread needs all 16 keys of its two rows.
+      float* pt = reinterpret_cast<float*>(smem + lay.p_offset) + warp * kRows * (kTileTokens + 1);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int row = g + 8 * (c >> 1), key = 2 * t4 + (c & 1);
+        pt[row * (kTileTokens + 1) + key] = s[0][c];
+        pt[row * (kTileTokens + 1) + 8 + key] = s[1][c];
+      }
+      __syncwarp();
+      const float* vf = reinterpret_cast<const float*>(vt);
+      for (int key = 0; key < kTileTokens; ++key) {
+        const float pa = pt[g * (kTileTokens + 1) + key];
+        const float pb = pt[(g + 8) * (kTileTokens + 1) + key];
+        const float* vrow = vf + key * kv_ld + 2 * t4;
+#pragma unroll
+        for (int nt = 0; nt < kNt; ++nt) {
+          if (nt < nt_active) {
+            const float2 v = *reinterpret_cast<const float2*>(vrow + nt * 8);
+            o[nt][0] = fmaf(pa, v.x, o[nt][0]);
+            o[nt][1] = fmaf(pa, v.y, o[nt][1]);
+            o[nt][2] = fmaf(pb, v.x, o[nt][2]);
+            o[nt][3] = fmaf(pb, v.y, o[nt][3]);
+          }
+        }
+      }
+    }
+  };
+
+  {
+    RowRef ref = lookup(0);
+#pragma unroll
+    for (int k = 0; k < T::kStages - 1; ++k) {
+      issue(k, k, ref);
+      ref = lookup(k + 1);
+      sm80::cp_async_commit();
+    }
+    for (int k = 0; k < n_wt; ++k) {
+      sm80::cp_async_wait<T::kStages - 2>();
+      __syncwarp();  // the tile's copies by every lane are visible; the freed stage is unread
+      const int next = k + T::kStages - 1;
+      issue(next % T::kStages, next, ref);
+      ref = lookup(next + 1);
+      sm80::cp_async_commit();
+      compute(k % T::kStages, tile_start(k));
+    }
+    sm80::cp_async_wait<0>();
+  }
+
+  // ---- merge the warps' partial states through smem (over the stages) ----
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+  __syncthreads();  // every warp is done with its stages
+  float* const mo = reinterpret_cast<float*>(smem + lay.merge_offset);  // [warps][kRows][o_row]
+  float* const mml = mo + kWarps * kRows * lay.merge_o_row;             // [warps][kRows][m, l]
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) {
+    if (nt < nt_active) {
+      float* ra = mo + (warp * kRows + g) * lay.merge_o_row + nt * 8 + 2 * t4;
+      *reinterpret_cast<float2*>(ra) = make_float2(o[nt][0], o[nt][1]);
+      *reinterpret_cast<float2*>(ra + 8 * lay.merge_o_row) = make_float2(o[nt][2], o[nt][3]);
+    }
+  }
+  if (t4 == 0) {
+    mml[(warp * kRows + g) * 2] = m[0];
+    mml[(warp * kRows + g) * 2 + 1] = l[0];
+    mml[(warp * kRows + g + 8) * 2] = m[1];
+    mml[(warp * kRows + g + 8) * 2 + 1] = l[1];
+  }
+  __syncthreads();
+
+  const int c8_per_row = head_size / 8;
+  for (int item = threadIdx.x; item < kRows * c8_per_row; item += T::kThreads) {
+    const int row = item / c8_per_row, c8 = item - row * c8_per_row;
+    if (row >= w.num_rows) continue;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int wi = 0; wi < kWarps; ++wi) mx = fmaxf(mx, mml[(wi * kRows + row) * 2]);
+    const float base = mx == -INFINITY ? 0.0f : mx;
+    float sum = 0.0f, acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int wi = 0; wi < kWarps; ++wi) {
+      const float wgt = exp2f(mml[(wi * kRows + row) * 2] - base);
+      sum += mml[(wi * kRows + row) * 2 + 1] * wgt;
+      if (wgt > 0.0f) {
+        const float4* src =
+            reinterpret_cast<const float4*>(mo + (wi * kRows + row) * lay.merge_o_row + c8 * 8);
+        const float4 a = src[0], b = src[1];
+        acc[0] += wgt * a.x, acc[1] += wgt * a.y, acc[2] += wgt * a.z, acc[3] += wgt * a.w;
+        acc[4] += wgt * b.x, acc[5] += wgt * b.y, acc[6] += wgt * b.z, acc[7] += wgt * b.w;
+      }
+    }
+    const float inv = sum > 0.0f ? p.v_scale / sum : 0.0f;
+    const float lse2 = sum > 0.0f ? mx + log2f(sum) : -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] *= inv;
+    const int pr = w.row0 + row;
+    const int t = w.q_begin + pr / p.group, head = w.kv_head * p.group + pr % p.group;
+    if (p.num_splits > 1) {
+      const int64_t at = (int64_t(blockIdx.y) * p.num_actual_tokens + t) * p.num_heads + head;
+      float4* dst = reinterpret_cast<float4*>(p.partial_o + at * head_size + c8 * 8);
+      dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+      if (c8 == 0) p.partial_lse[at] = lse2;
+    } else {
+      store_final<T::act>(p, t, head, c8, acc, lse2);
+    }
+  }
+}
+
+// Raises the kernel's dynamic shared memory limit once per device (benign if two threads race).
+template <class T>
+void prepare_decode(int device) {
+  static std::atomic<uint64_t> done{0};
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (done.load(std::memory_order_acquire) & bit) return;
+  PAGEDATTN_CUDA_CHECK(cudaFuncSetAttribute(
+      decode_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::max_layout().total));
+  done.fetch_or(bit, std::memory_order_acq_rel);
+}
+
+template <class T>
+void DecodeOps<T>::launch(const DecodeParams& p, cudaStream_t stream) {
+  const dim3 grid(unsigned(p.num_seqs) * unsigned(p.num_kv_heads) * unsigned(p.num_q_tiles),
+                  unsigned(p.num_splits));
+  if (grid.x == 0 || grid.y == 0) return;
+  int device = 0;
+  PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+  prepare_decode<T>(device);
+  const int smem = layout_for<T>(p.head_size, p.kv_dtype).total;
+  decode_kernel<T><<<grid, T::kThreads, smem, stream>>>(p);
+  PAGEDATTN_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+int DecodeOps<T>::ctas_per_sm(int device) {
+  prepare_decode<T>(device);
+  int n = 0;
+  PAGEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &n, decode_kernel<T>, T::kThreads, T::max_layout().total));
+  return n;
+}
+
+}  // namespace pagedattn::cuda::decode

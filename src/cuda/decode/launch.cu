@@ -1,0 +1,68 @@
+// The compiled decode instances (generated list, trimmed by PAGEDATTN_CUDA_HEAD_SIZES) and
+// their selection. check() and forward() both go through find_decode(), so what is compiled
+// and what is selectable cannot drift apart.
+#include <algorithm>
+
+#include "cuda/decode/launch.h"
+
+namespace pagedattn::cuda::decode {
+
+const std::vector<DecodeKernel>& decode_kernels() {
+  static const std::vector<DecodeKernel> table = {
+#define PAGEDATTN_DECODE_INSTANCE(act, kv, head_size)             \
+  {DType::act, KVKind::kv, head_size,                             \
+   &DecodeOps<Traits<DType::act, KVKind::kv, head_size>>::launch, \
+   &DecodeOps<Traits<DType::act, KVKind::kv, head_size>>::ctas_per_sm},
+#define PAGEDATTN_COMBINE_INSTANCE(act)
+#include "cuda/decode/inst/instances.inc"
+#undef PAGEDATTN_DECODE_INSTANCE
+#undef PAGEDATTN_COMBINE_INSTANCE
+  };
+  return table;
+}
+
+const std::vector<CombineKernel>& combine_kernels() {
+  static const std::vector<CombineKernel> table = {
+#define PAGEDATTN_DECODE_INSTANCE(act, kv, head_size)
+#define PAGEDATTN_COMBINE_INSTANCE(act) {DType::act, &CombineOps<DType::act>::launch},
+#include "cuda/decode/inst/instances.inc"
+#undef PAGEDATTN_DECODE_INSTANCE
+#undef PAGEDATTN_COMBINE_INSTANCE
+  };
+  return table;
+}
+
+KVKind kv_kind_for(DType act, DType cache) {
+  const bool act16 = act == DType::kF16 || act == DType::kBF16;
+  if (act16 && cache == act) return KVKind::kSame;
+  if (act16 && is_fp8(cache)) return KVKind::kFp8;
+  return KVKind::kAny;
+}
+
+const DecodeKernel* find_decode(DType act, DType cache, int head_size) {
+  const KVKind kind = kv_kind_for(act, cache);
+  for (const DecodeKernel& k : decode_kernels()) {
+    if (k.act != act || k.kv != kind) continue;
+    if (k.head_size == head_size) return &k;
+    if (k.head_size == 0 && head_size % 16 == 0 && head_size > 0 && head_size <= kMaxHeadSize) {
+      return &k;
+    }
+  }
+  return nullptr;
+}
+
+const CombineKernel* find_combine(DType act) {
+  for (const CombineKernel& k : combine_kernels())
+    if (k.act == act) return &k;
+  return nullptr;
+}
+
+std::vector<int> compiled_head_sizes(DType act, KVKind kv) {
+  std::vector<int> sizes;
+  for (const DecodeKernel& k : decode_kernels())
+    if (k.act == act && k.kv == kv && k.head_size > 0) sizes.push_back(k.head_size);
+  std::sort(sizes.begin(), sizes.end());
+  return sizes;
+}
+
+}  // namespace pagedattn::cuda::decode

@@ -1,0 +1,61 @@
+// Parameters of the decode family (the attention kernel and its split combine): one POD
+// struct, host -> device. Strides are in elements; every head dimension is contiguous.
+#pragma once
+
+#include <cstdint>
+
+namespace pagedattn::cuda::decode {
+
+/// Request r owns query rows [query_start_loc[r], query_start_loc[r+1]) and attends over
+/// kv_len = seq_lens[r] keys (kv_direct: its own q_len tokens); query token i sits at absolute
+/// position kv_len - q_len + i. Key j of KV head h lives at
+///   k + block_table[r][j / block_size] * k_stride_block + (j % block_size) * k_stride_page
+///     + h * k_stride_head                               (paged cache, NHD or HND)
+///   k + (query_start_loc[r] + j) * k_stride_page + h * k_stride_head   (kv_direct)
+/// Everything per step is read from device memory here, so a captured graph replays with new
+/// metadata written into the same buffers.
+struct DecodeParams {
+  const void* q;  ///< [num_tokens, num_heads, head_size], activation dtype
+  int64_t q_stride_token, q_stride_head;
+  void* out;  ///< [num_tokens, num_heads, head_size], activation dtype
+  int64_t out_stride_token, out_stride_head;
+  void* lse;  ///< optional [num_heads, num_tokens], natural log; nullptr = not wanted
+  int64_t lse_stride_head, lse_stride_token;
+  int lse_is_f64;  ///< lse is float64 rather than float32
+
+  const void* k;  ///< [num_blocks, block_size, num_kv_heads, head_size] (kv_direct: [T, Hkv, D])
+  const void* v;  ///< same shape as k
+  int64_t k_stride_block, k_stride_page, k_stride_head;
+  int64_t v_stride_block, v_stride_page, v_stride_head;
+  int kv_direct;  ///< encoder types: keys are the request's own rows of k / v, no block table
+  int kv_dtype;   ///< pagedattn::DType of k / v, for instances that decide it at run time
+
+  const int32_t* query_start_loc;  ///< [num_seqs + 1]
+  const int32_t* seq_lens;         ///< [num_seqs]
+  const int32_t* block_table;      ///< [num_seqs, max_blocks_per_seq]
+  int64_t block_table_stride_seq, block_table_stride_block;
+  int num_seqs;
+  int num_heads, num_kv_heads, group;  ///< group = num_heads / num_kv_heads (G)
+  int head_size, block_size;
+  int num_q_tiles;        ///< ceil(max_query_len * G / kRows): grid.x = num_seqs * Hkv * this
+  int num_actual_tokens;  ///< T_a: rows of the split partials and of the combine
+
+  float scale_log2;           ///< scale * k_scale * log2(e): q.k -> logit in log2 units
+  float softcap;              ///< > 0: cap of cap * tanh(logit / cap); 0 = off
+  float softcap_arg_scale;    ///< scale * k_scale / cap: q.k -> tanh argument
+  float softcap_log2;         ///< cap * log2(e)
+  const float* alibi_slopes;  ///< [num_heads] or nullptr
+  const float* sinks;         ///< [num_heads] (natural-log units) or nullptr
+  float v_scale;              ///< fp8: multiplies the output; 1 otherwise
+  int causal;                 ///< mask keys after the query position (decoder)
+  int window;                 ///< > 0: keys older than pos - (window - 1) are masked
+  int window_right;           ///< encoder_only: keys past pos + (window - 1) are masked too
+
+  int num_splits;      ///< grid.y; > 1: partials go to the workspace, the combine kernel merges
+  float* partial_o;    ///< [num_splits, T_a, num_heads, head_size] float, normalised, v-scaled
+  float* partial_lse;  ///< [num_splits, T_a, num_heads] float, log2 units (-inf = no keys)
+  int vec_q;           ///< q rows and base allow 16-byte loads
+  int vec_out;         ///< out rows and base allow 16-byte stores
+};
+
+}  // namespace pagedattn::cuda::decode

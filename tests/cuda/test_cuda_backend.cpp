@@ -1,0 +1,566 @@
+// The cuda backend against the float64 reference, through the public API. Tests that need a
+// GPU skip (GTEST_SKIP) when none is usable, so CI, which has none, runs only the host-side
+// ones (check() reasons, the split planner). bench/gpu/run_h200.sh runs the rest on the H200.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "backend_ops/cases.h"
+#include "backend_ops/harness.h"
+#include "common/expect_error.h"
+#include "cuda/backend/cuda_backend.h"
+#include "cuda/backend/plan.h"
+#include "pagedattn/accuracy.h"
+#include "pagedattn/error.h"
+#include "pagedattn/kv_cache.h"
+#include "pagedattn/metadata.h"
+#include "pagedattn/registry.h"
+#include "ref/ref_backend.h"
+
+namespace pagedattn {
+namespace {
+
+AttentionConfig gqa_config(DType dtype = DType::kBF16, int head_size = 128) {
+  AttentionConfig c;
+  c.num_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_size = head_size;
+  c.scale = 1.0f / std::sqrt(float(head_size));
+  c.dtype = dtype;
+  c.block_size = 16;
+  return c;
+}
+
+// Empty when a GPU this backend serves is present; else why the test is skipped.
+std::string gpu_unavailable() {
+  DeviceRuntime* rt = device_runtime(DeviceType::kCUDA);
+  if (rt == nullptr || rt->device_count() == 0) return "no CUDA device is visible";
+  const auto backend = cuda::make_backend(cuda::BackendOptions{});
+  std::string why;
+  for (const auto& r : backend->check({gqa_config(), Device::cuda(0)})) why += r + "; ";
+  return why;
+}
+
+#define REQUIRE_GPU()                                                                 \
+  do {                                                                                \
+    if (const std::string why = gpu_unavailable(); !why.empty()) GTEST_SKIP() << why; \
+  } while (0)
+
+// ---- host side: runs everywhere -------------------------------------------------------------
+
+TEST(CudaBackendHost, RegisteredBeforeRefAndRefusesHostTensors) {
+  const auto backends = default_registry().backends();
+  ASSERT_FALSE(backends.empty());
+  EXPECT_EQ(backends.front()->name(), "cuda");
+  const auto reasons = backends.front()->check({gqa_config(), Device::cpu()});
+  ASSERT_FALSE(reasons.empty());
+  EXPECT_NE(reasons[0].find("runs on CUDA devices only"), std::string::npos) << reasons[0];
+}
+
+TEST(CudaBackendHost, HeadSizeReasonListsTheCompiledSizes) {
+  const auto backend = cuda::make_backend(cuda::BackendOptions{});
+  AttentionConfig c = gqa_config(DType::kBF16, 112);
+  std::string all;
+  for (const auto& r : backend->check({c, Device::cuda(0)})) all += r + "\n";
+  EXPECT_NE(all.find("head_size 112 is not compiled for bfloat16 activations"), std::string::npos)
+      << all;
+  EXPECT_NE(all.find("compiled: "), std::string::npos) << all;
+  EXPECT_NE(all.find("PAGEDATTN_CUDA_HEAD_SIZES"), std::string::npos) << all;
+  // float32 runs on the generic kernel: any multiple of 16 up to 256, nothing else.
+  c.dtype = DType::kF32;
+  all.clear();
+  for (const auto& r : backend->check({c, Device::cuda(0)})) all += r + "\n";
+  EXPECT_EQ(all.find("head_size"), std::string::npos) << all;
+  c.head_size = 72;
+  all.clear();
+  for (const auto& r : backend->check({c, Device::cuda(0)})) all += r + "\n";
+  EXPECT_NE(all.find("multiple of 16"), std::string::npos) << all;
+}
+
+cuda::SplitInputs inputs(int batch, int kv_len, int q_len = 1) {
+  cuda::SplitInputs in;
+  in.num_sms = 132;
+  in.ctas_per_sm = 2;
+  in.num_kv_heads = 8;
+  in.group = 4;
+  in.q_lens.assign(size_t(batch), q_len);
+  in.kv_lens.assign(size_t(batch), kv_len);
+  return in;
+}
+
+TEST(CudaBackendHost, SplitHeuristicFillsTheMachineOnlyWhenNeeded) {
+  // One long request on 8 KV heads: 8 CTAs unsplit; splitting fills the 264 slots.
+  const int s1 = cuda::choose_num_splits(inputs(1, 32768));
+  EXPECT_GE(8 * s1, 0.9 * 264) << s1;
+  EXPECT_LE(s1, 64);
+  // A batch that already fills the machine stays unsplit.
+  EXPECT_EQ(cuda::choose_num_splits(inputs(64, 4096)), 1);
+  // Short contexts never split below kMinSplitTokens keys per split.
+  EXPECT_EQ(cuda::choose_num_splits(inputs(1, 255)), 1);
+  EXPECT_LE(cuda::choose_num_splits(inputs(1, 1024)), 4);
+  // Without occupancy information (no device): no split.
+  cuda::SplitInputs none = inputs(1, 32768);
+  none.ctas_per_sm = 0;
+  EXPECT_EQ(cuda::choose_num_splits(none), 1);
+}
+
+TEST(CudaBackendHost, PlanSizesTheWorkspaceForItsSplits) {
+  const AttentionConfig c = gqa_config();
+  StepMetadata step = MetadataBuilder(16).add({8000, 1, std::vector<int32_t>(501, 1)}).build();
+  const AttentionMetadata md = step.view();
+  const auto plan = cuda::make_plan(md, c, 132, 2);
+  ASSERT_GT(plan->num_splits, 1);
+  EXPECT_EQ(plan->workspace_bytes(),
+            cuda::split_workspace_bytes(plan->num_splits, 1, c.num_heads, c.head_size));
+  EXPECT_GE(plan->workspace_bytes(),
+            size_t(plan->num_splits) * c.num_heads * (c.head_size + 1) * 4);
+  EXPECT_EQ(cuda::make_plan(md, c, 0, 0)->workspace_bytes(), 0u);
+}
+
+// ---- GPU: every kernel against the reference -----------------------------------------------
+
+backend_ops::OpCase make_case(std::string name, AttentionConfig c,
+                              std::vector<backend_ops::RequestShape> requests, int pad = 0,
+                              uint32_t seed = 7) {
+  backend_ops::OpCase k;
+  k.config = c;
+  k.requests = std::move(requests);
+  k.pad_tokens = pad;
+  if (is_fp8(c.kv_cache_dtype)) {
+    k.k_scale = 0.75f;
+    k.v_scale = 1.5f;
+  }
+  k.seed = seed;
+  k.name = std::move(name);
+  return k;
+}
+
+std::vector<backend_ops::OpCase> decode_cases() {
+  std::vector<backend_ops::OpCase> cases;
+  AttentionConfig c = gqa_config();
+  cases.push_back(
+      make_case("gqa long decode + spec decode", c, {{3000, 1}, {5000, 1}, {700, 1}, {2000, 4}}));
+  {
+    AttentionConfig x = gqa_config(DType::kBF16, 128);
+    x.num_heads = 16;
+    x.num_kv_heads = 2;  // G = 8: 16 tokens are 128 rows, 8 q tiles
+    x.sliding_window = 100;
+    x.sinks = std::vector<float>(16, 0.5f);
+    for (int h = 0; h < 16; ++h) x.sinks[size_t(h)] = 0.25f * float(h % 5) - 0.5f;
+    x.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+    x.kv_cache_layout = KVCacheLayout::kHND;
+    cases.push_back(make_case("spec decode 16 tokens window sinks fp8 HND", x,
+                              {{900, 16}, {40, 16}, {0, 3}}, 2));
+  }
+  {
+    AttentionConfig x = gqa_config(DType::kF16, 80);
+    x.num_heads = 16;
+    x.num_kv_heads = 1;  // MQA
+    x.alibi_slopes = alibi_slopes(16);
+    x.logits_soft_cap = 30.0f;
+    x.block_size = 1;
+    cases.push_back(make_case("mqa d80 f16 alibi softcap bs1", x, {{1200, 7}, {33, 1}}));
+  }
+  {
+    AttentionConfig x = gqa_config(DType::kF32, 96);
+    x.kv_cache_dtype = KVCacheDType::kFp8E5M2;
+    x.block_size = 3;
+    cases.push_back(make_case("f32 generic d96 e5m2 bs3", x, {{777, 1}, {64, 5}}));
+  }
+  {
+    AttentionConfig x = gqa_config(DType::kBF16, 48);
+    x.kv_cache_dtype = KVCacheDType::kFloat32;
+    cases.push_back(make_case("bf16 over f32 cache d48 (generic)", x, {{500, 2}, {17, 1}}));
+  }
+  {
+    AttentionConfig x = gqa_config(DType::kBF16, 256);
+    x.block_size = 256;
+    cases.push_back(make_case("chunked prefill d256 bs256", x, {{500, 300}, {0, 40}}));
+  }
+  {
+    AttentionConfig x = gqa_config(DType::kF16, 192);
+    x.num_kv_heads = 32;  // MHA
+    x.block_size = 128;
+    x.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+    cases.push_back(make_case("mha d192 fp8 bs128", x, {{2500, 1}, {100, 2}}));
+  }
+  {
+    AttentionConfig x = gqa_config(DType::kBF16, 64);
+    x.attn_type = AttentionType::kEncoderOnly;
+    x.sliding_window = 9;
+    x.alibi_slopes = alibi_slopes(32);
+    cases.push_back(make_case("encoder_only window alibi", x, {{0, 40}, {0, 1}, {0, 77}}));
+    x.attn_type = AttentionType::kEncoder;
+    x.dtype = DType::kF32;
+    x.alibi_slopes.clear();
+    cases.push_back(make_case("encoder f32", x, {{0, 19}, {0, 50}}));
+  }
+  {
+    AttentionConfig x = gqa_config(DType::kBF16, 64);
+    x.attn_type = AttentionType::kEncoderDecoder;
+    x.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+    cases.push_back(make_case("cross fp8", x, {{0, 3, 0, 300, true}, {0, 1, 0, 300, false}}));
+  }
+  return cases;
+}
+
+TEST(CudaDecode, MatchesTheReferenceAtEverySplitCount) {
+  REQUIRE_GPU();
+  for (int splits : {0, 1, 2, 5, 64}) {  // 0 = the planner's choice
+    const auto backend = cuda::make_backend({false, splits});
+    for (const auto& k : decode_cases()) {
+      const backend_ops::CaseResult r = backend_ops::run_case(*backend, k, {Device::cuda(0), 0});
+      EXPECT_TRUE(r.supported) << k.name << ": " << r.message;
+      EXPECT_TRUE(r.passed) << k.name << " (splits " << splits << "): " << r.message << "\n  out "
+                            << r.output_error.to_string() << " budget " << r.output_budget.max_abs
+                            << "\n  lse " << r.lse_error.to_string() << " budget "
+                            << r.lse_budget.max_abs;
+    }
+  }
+}
+
+TEST(CudaDecode, TheWholeBackendOpsMatrixPasses) {
+  REQUIRE_GPU();
+  const auto backend = cuda::make_backend({false, 0});
+  int passed = 0;
+  for (const auto& k : backend_ops::make_case_matrix(20261202)) {
+    const backend_ops::CaseResult r = backend_ops::run_case(*backend, k, {Device::cuda(0), 0});
+    if (!r.supported) continue;
+    EXPECT_TRUE(r.passed) << k.name << ": " << r.message;
+    passed += r.passed;
+  }
+  EXPECT_GT(passed, 50);
+}
+
+Tensor random_host(std::vector<int64_t> shape, DType dtype, std::mt19937& rng, float std_dev = 1) {
+  Tensor t = Tensor::empty(shape, dtype);
+  std::normal_distribution<float> dist(0.0f, std_dev);
+  for (int64_t i = 0; i < t.view().numel(); ++i) store_element(t.data(), dtype, i, dist(rng));
+  return t;
+}
+
+// ---- GPU: write_kv, vectorised and scalar paths ----------------------------------------------
+
+std::string cat_case(const AttentionConfig& c, int64_t misalign) {
+  return detail::cat(dtype_name(c.dtype), " into ", to_string(c.kv_cache_dtype), " ",
+                     to_string(c.kv_cache_layout), misalign ? " (unaligned views)" : "");
+}
+
+// K and V as views into one fused [tokens, width] buffer (as vLLM's QKV projection output),
+// starting at column `offset`: an odd offset breaks 16-byte alignment (the scalar path).
+TensorView fused_view(const Tensor& buffer, int64_t offset, int heads, int head_size) {
+  TensorView v = buffer.view();
+  const int64_t width = v.size(1);
+  v.data = static_cast<char*>(v.data) + offset * int64_t(dtype_size(v.dtype));
+  v.ndim = 3;
+  v.shape = {v.size(0), heads, head_size, 0, 0, 0};
+  v.strides = {width, head_size, 1, 0, 0, 0};
+  return v;
+}
+
+TEST(CudaWriteKV, CacheBytesEqualTheReferenceOnBothPaths) {
+  REQUIRE_GPU();
+  std::mt19937 rng(21);
+  const auto ref = ref::make_backend();
+  const auto backend = cuda::make_backend({false, 0});
+  for (DType act : {DType::kBF16, DType::kF32}) {
+    for (KVCacheDType kv : {KVCacheDType::kAuto, KVCacheDType::kFloat16, KVCacheDType::kFloat32,
+                            KVCacheDType::kFp8E4M3, KVCacheDType::kFp8E5M2}) {
+      for (KVCacheLayout layout : {KVCacheLayout::kNHD, KVCacheLayout::kHND}) {
+        for (int64_t misalign : {0, 1}) {
+          AttentionConfig c = gqa_config(act, 64);
+          c.num_kv_heads = 2;
+          c.num_heads = 4;
+          c.kv_cache_dtype = kv;
+          c.kv_cache_layout = layout;
+          const std::string what = cat_case(c, misalign);
+          const int64_t tokens = 37, kv_width = int64_t(c.num_kv_heads) * c.head_size;
+          const int64_t width = 2 * kv_width + 8 + misalign;
+          const Tensor host_buf = random_host({tokens, width}, act, rng, 40.0f);  // fp8 saturates
+          const Tensor dev_buf = Tensor::copy_of(host_buf.view(), Device::cuda(0));
+          std::vector<int64_t> slots(static_cast<size_t>(tokens));
+          for (int64_t t = 0; t < tokens; ++t) slots[size_t(t)] = t % 5 == 3 ? -1 : 7 * t + 3;
+          const TensorView host_slots =
+              TensorView::contiguous(slots.data(), DType::kI64, {int64_t(slots.size())});
+          const Tensor dev_slots = Tensor::copy_of(host_slots, Device::cuda(0));
+          KVCache want = KVCache::allocate(c, 20);
+          KVCache got = KVCache::allocate(c, 20, Device::cuda(0));
+          const KVScales scales{0.75f, 1.5f};
+          const int64_t k_off = 8 + misalign, v_off = 8 + misalign + kv_width;
+          ref->make_impl(c, Device::cpu())
+              ->write_kv({fused_view(host_buf, k_off, c.num_kv_heads, c.head_size),
+                          fused_view(host_buf, v_off, c.num_kv_heads, c.head_size),
+                          host_slots,
+                          want.view(),
+                          scales,
+                          {}});
+          backend->make_impl(c, Device::cuda(0))
+              ->write_kv({fused_view(dev_buf, k_off, c.num_kv_heads, c.head_size),
+                          fused_view(dev_buf, v_off, c.num_kv_heads, c.head_size),
+                          dev_slots.view(),
+                          got.view(),
+                          scales,
+                          {}});
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+          const Tensor back = Tensor::copy_of(got.storage().view(), Device::cpu());
+          EXPECT_EQ(std::memcmp(back.data(), want.storage().data(), back.view().nbytes()), 0)
+              << what;
+        }
+      }
+    }
+  }
+}
+
+// ---- GPU: merge_states and amax -------------------------------------------------------------
+
+TEST(CudaMerge, MatchesTheReferenceWithInfinitiesAndGarbage) {
+  REQUIRE_GPU();
+  const Backend& cuda_backend = *default_registry().find("cuda");
+  const auto ref = ref::make_backend();
+  std::mt19937 rng(11);
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (int d : {48, 128, 37}) {
+      const int n = 29, h = 6;
+      Tensor po = random_host({n, h, d}, dt, rng), so = random_host({n, h, d}, dt, rng);
+      Tensor pl = random_host({h, n}, DType::kF32, rng, 3),
+             sl = random_host({h, n}, DType::kF32, rng, 3);
+      auto* plp = pl.data_as<float>();
+      auto* slp = sl.data_as<float>();
+      const float inf = std::numeric_limits<float>::infinity();
+      for (int i = 0; i < h * n; i += 7) plp[i] = (i % 2) ? inf : -inf;
+      for (int i = 3; i < h * n; i += 11) slp[i] = -inf;
+      for (int i = 5; i < h * n; i += 13) plp[i] = slp[i] = -inf;  // both empty
+      // The side whose weight is 0 may hold garbage: it must never be read.
+      for (int i = 0; i < h * n; ++i) {
+        const int hh = i / n, t = i % n;
+        if (std::isinf(slp[i])) fill_host(so.view().select(0, t).select(0, hh), std::nan(""));
+        if (std::isinf(plp[i]) && !std::isinf(slp[i])) {
+          fill_host(po.view().select(0, t).select(0, hh), std::nan(""));
+        }
+      }
+      Tensor want = Tensor::empty({n, h, d}, DType::kF64),
+             want_lse = Tensor::empty({h, n}, DType::kF64);
+      ref->merge_states(
+          {po.view(), pl.view(), so.view(), sl.view(), want.view(), want_lse.view(), {}});
+
+      const Device dev = Device::cuda(0);
+      Tensor gpo = Tensor::copy_of(po.view(), dev), gso = Tensor::copy_of(so.view(), dev);
+      Tensor gpl = Tensor::copy_of(pl.view(), dev), gsl = Tensor::copy_of(sl.view(), dev);
+      Tensor gout = Tensor::empty({n, h, d}, dt, dev),
+             glse = Tensor::empty({h, n}, DType::kF32, dev);
+      cuda_backend.merge_states(
+          {gpo.view(), gpl.view(), gso.view(), gsl.view(), gout.view(), glse.view(), {}});
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const Tensor out = Tensor::copy_of(gout.view(), Device::cpu());
+      const Tensor lse = Tensor::copy_of(glse.view(), Device::cpu());
+      const ErrorStats e = compare(out.view(), want.view());
+      const double tol = dt == DType::kF32 ? 1e-5 : (dt == DType::kF16 ? 2e-3 : 1.6e-2);
+      EXPECT_EQ(e.mismatched_nonfinite, 0) << dtype_name(dt) << " d" << d << " " << e.to_string();
+      EXPECT_LE(e.max_abs, tol * std::max(1.0, e.max_ref)) << dtype_name(dt) << " d" << d;
+      const ErrorStats el = compare(lse.view(), want_lse.view());
+      EXPECT_EQ(el.mismatched_nonfinite, 0) << el.to_string();
+      EXPECT_LE(el.max_abs, 1e-5 * std::max(1.0, el.max_ref)) << el.to_string();
+    }
+  }
+}
+
+TEST(CudaAmax, MatchesTheReferenceOnStridedViewsAndPropagatesNaN) {
+  REQUIRE_GPU();
+  const Backend& cuda_backend = *default_registry().find("cuda");
+  const auto ref = ref::make_backend();
+  std::mt19937 rng(5);
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16, DType::kFp8E4M3}) {
+    Tensor x = random_host({9, 6, 40}, dt, rng, 3);
+    Tensor gx = Tensor::copy_of(x.view(), Device::cuda(0));
+    const TensorView strided = gx.view().slice(2, 3, 35).permute({1, 0, 2});
+    const TensorView host_strided = x.view().slice(2, 3, 35).permute({1, 0, 2});
+    EXPECT_EQ(cuda_backend.amax(strided), ref->amax(host_strided)) << dtype_name(dt);
+  }
+  Tensor x = random_host({1000}, DType::kF32, rng);
+  x.data_as<float>()[517] = std::nanf("");
+  EXPECT_TRUE(std::isnan(cuda_backend.amax(Tensor::copy_of(x.view(), Device::cuda(0)).view())));
+}
+
+// ---- GPU: CUDA graphs and checked mode ------------------------------------------------------
+
+// A decode step whose metadata lives in fixed device buffers, over a random full cache.
+struct DeviceStep {
+  AttentionConfig config;
+  int num_blocks = 0;
+  Tensor host_cache;     // physical storage on the host (for the reference)
+  Tensor cache;          // the same bytes on the device
+  Tensor query;          // device [T, Hq, D]
+  StepMetadata step;     // host arrays; its device copies are the captured buffers
+  AttentionMetadata md;  // device view
+
+  KVCacheView cache_view() const { return KVCacheView::from_combined(cache.view()); }
+  KVCacheView host_cache_view() const { return KVCacheView::from_combined(host_cache.view()); }
+};
+
+StepMetadata make_step(const std::vector<int>& context, const std::vector<int>& q_lens,
+                       int block_size, int num_blocks, std::mt19937& rng) {
+  std::vector<int32_t> pool(size_t(num_blocks - 1));
+  for (size_t i = 0; i < pool.size(); ++i) pool[i] = int32_t(i + 1);
+  std::shuffle(pool.begin(), pool.end(), rng);
+  MetadataBuilder b(block_size);
+  size_t next = 0;
+  for (size_t r = 0; r < context.size(); ++r) {
+    RequestSpec s;
+    s.context_len = context[r];
+    s.num_new_tokens = q_lens[r];
+    const int blocks = (context[r] + q_lens[r] + block_size - 1) / block_size;
+    for (int i = 0; i < blocks; ++i) s.block_ids.push_back(pool[next++ % pool.size()]);
+    b.add(s);
+  }
+  return b.build();
+}
+
+DeviceStep make_device_step(std::mt19937& rng) {
+  DeviceStep s;
+  s.config = gqa_config();
+  s.num_blocks = 2048;
+  const AttentionConfig& c = s.config;
+  KVCache host = KVCache::allocate(c, s.num_blocks);
+  s.host_cache = random_host(host.storage().view().shape_vector(), c.cache_dtype(), rng);
+  s.cache = Tensor::copy_of(s.host_cache.view(), Device::cuda(0));
+  s.step = make_step({3000, 6500, 700, 2000}, {1, 1, 1, 4}, c.block_size, s.num_blocks, rng);
+  s.step.max_seq_len = 8192;
+  s.md = s.step.to_device(Device::cuda(0));
+  s.query = Tensor::copy_of(
+      random_host({s.md.num_actual_tokens, c.num_heads, c.head_size}, c.dtype, rng).view(),
+      Device::cuda(0));
+  return s;
+}
+
+// Output of the float64 reference for the step's current host arrays.
+Tensor reference_output(const DeviceStep& s, const Backend& ref) {
+  const AttentionMetadata md = s.step.view();
+  Tensor q = Tensor::copy_of(s.query.view(), Device::cpu());
+  Tensor out =
+      Tensor::empty({md.num_actual_tokens, s.config.num_heads, s.config.head_size}, DType::kF64);
+  ForwardArgs f;
+  f.query = q.view();
+  f.kv_cache = s.host_cache_view();
+  f.metadata = &md;
+  f.output = out.view();
+  ref.make_impl(s.config, Device::cpu())->forward(f);
+  return out;
+}
+
+TEST(CudaGraph, ReplayWithNewMetadataInTheSameBuffersMatchesAFreshLaunch) {
+  REQUIRE_GPU();
+  std::mt19937 rng(3);
+  DeviceStep s = make_device_step(rng);
+  const auto backend = cuda::make_backend({false, 4});  // splits: the combine is captured too
+  const auto ref = ref::make_backend();
+  auto impl = backend->make_impl(s.config, Device::cuda(0));
+  const auto plan = backend->plan(s.md, s.config);
+  Tensor workspace = Tensor::empty({int64_t(plan->workspace_bytes())}, DType::kU8, Device::cuda(0));
+  Tensor out = Tensor::empty(s.query.view().shape_vector(), s.config.dtype, Device::cuda(0));
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  ForwardArgs f;
+  f.query = s.query.view();
+  f.kv_cache = s.cache_view();
+  f.metadata = &s.md;
+  f.output = out.view();
+  f.plan = plan.get();
+  f.workspace = {workspace.data(), plan->workspace_bytes()};
+  f.stream = {stream};
+
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  impl->forward(f);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  auto run_both = [&](const char* when) {
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const Tensor replayed = Tensor::copy_of(out.view(), Device::cpu());
+    impl->forward(f);  // a fresh launch on the same buffers
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const Tensor fresh = Tensor::copy_of(out.view(), Device::cpu());
+    EXPECT_EQ(std::memcmp(replayed.data(), fresh.data(), fresh.view().nbytes()), 0) << when;
+    const ErrorStats e = compare(fresh.view(), reference_output(s, *ref).view());
+    EXPECT_EQ(e.mismatched_nonfinite, 0) << when;
+    EXPECT_LT(e.max_abs, 2e-2) << when << ": " << e.to_string();
+  };
+  run_both("as captured");
+
+  // New lengths and new blocks, same scalars (num_seqs, tokens, max lengths): written into the
+  // very buffers the graph reads.
+  StepMetadata next =
+      make_step({4100, 260, 6000, 1500}, {1, 1, 1, 4}, s.config.block_size, s.num_blocks, rng);
+  std::vector<int32_t> table(s.step.block_table.size(), 0);
+  for (int r = 0; r < 4; ++r) {
+    for (int j = 0; j < next.max_blocks_per_seq && j < s.step.max_blocks_per_seq; ++j) {
+      table[size_t(r * s.step.max_blocks_per_seq + j)] =
+          next.block_table[size_t(r * next.max_blocks_per_seq + j)];
+    }
+  }
+  ASSERT_GE(s.step.max_blocks_per_seq, next.max_blocks_per_seq);
+  s.step.seq_lens = next.seq_lens;
+  s.step.block_table = table;
+  s.step.slot_mapping = next.slot_mapping;
+  ASSERT_EQ(cudaMemcpy(s.md.seq_lens.data, s.step.seq_lens.data(), s.step.seq_lens.size() * 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(
+      cudaMemcpy(s.md.block_table.data, table.data(), table.size() * 4, cudaMemcpyHostToDevice),
+      cudaSuccess);
+  run_both("replayed with new metadata");
+
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(CudaChecked, CatchesABlockPastTheCache) {
+  REQUIRE_GPU();
+  std::mt19937 rng(9);
+  DeviceStep s = make_device_step(rng);
+  const auto backend = cuda::make_backend({true, 0});
+  auto impl = backend->make_impl(s.config, Device::cuda(0));
+  const int32_t bad = s.num_blocks + 5;
+  ASSERT_EQ(
+      cudaMemcpy(static_cast<int32_t*>(s.md.block_table.data) + 1, &bad, 4, cudaMemcpyHostToDevice),
+      cudaSuccess);
+  Tensor out = Tensor::empty(s.query.view().shape_vector(), s.config.dtype, Device::cuda(0));
+  ForwardArgs f;
+  f.query = s.query.view();
+  f.kv_cache = s.cache_view();
+  f.metadata = &s.md;
+  f.output = out.view();
+  EXPECT_ERROR(impl->forward(f), InvalidArgument, "metadata.block_table[0][1] (2053) is outside");
+}
+
+TEST(CudaChecked, CatchesASlotOutOfRange) {
+  REQUIRE_GPU();
+  std::mt19937 rng(10);
+  DeviceStep s = make_device_step(rng);
+  const auto backend = cuda::make_backend({true, 0});
+  auto impl = backend->make_impl(s.config, Device::cuda(0));
+  const int64_t capacity = int64_t(s.num_blocks) * s.config.block_size;
+  const int64_t bad = capacity + 3;
+  ASSERT_EQ(cudaMemcpy(static_cast<int64_t*>(s.md.slot_mapping.data) + 2, &bad, 8,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  Tensor kv = Tensor::copy_of(
+      random_host({s.md.num_actual_tokens, s.config.num_kv_heads, s.config.head_size},
+                  s.config.dtype, rng)
+          .view(),
+      Device::cuda(0));
+  WriteKVArgs w{kv.view(), kv.view(), s.md.slot_mapping, s.cache_view(), {}, {}};
+  EXPECT_ERROR(
+      impl->write_kv(w), InvalidArgument,
+      detail::cat("slot_mapping[2] (", bad, ") is outside the cache's slots [0, ", capacity));
+}
+
+}  // namespace
+}  // namespace pagedattn
