@@ -3,15 +3,30 @@
 #include <omp.h>
 
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
 
+#include "cpu/cpu_bf16_dot.h"
 #include "cpu/cpu_kernels.h"
 #include "cpu/cpu_plan.h"
 #include "pagedattn/error.h"
 
 namespace pagedattn::cpu {
+
+namespace bf16 {
+namespace {
+std::atomic<bool> g_enabled{true};
+}  // namespace
+bool enabled() {
+  return g_enabled.load(std::memory_order_relaxed) && available();
+}
+void set_enabled(bool on) {
+  g_enabled.store(on);
+}
+}  // namespace bf16
+
 namespace {
 
 // Largest head size the per-thread scratch is sized for (rows x head_size floats).

@@ -2,19 +2,9 @@
 // flags; nothing in it runs unless available() said the CPU has them.
 #include "cpu/cpu_bf16_dot.h"
 
-#include <atomic>
-
-namespace pagedattn::cpu::bf16 {
-namespace {
-std::atomic<bool> g_enabled{true};
-}
-bool enabled() {
-  return g_enabled.load(std::memory_order_relaxed) && available();
-}
-void set_enabled(bool on) {
-  g_enabled.store(on);
-}
-}  // namespace pagedattn::cpu::bf16
+// Everything in this file is compiled with AVX-512 flags: it must not instantiate templates or
+// inline functions from headers, whose out-of-line copies the linker could pick for callers
+// on CPUs without AVX-512. Only intrinsics and local code.
 
 #if defined(__x86_64__) && defined(PAGEDATTN_CPU_BF16_KERNELS)
 #include <immintrin.h>

@@ -35,4 +35,21 @@ void scores(const uint16_t* q, const uint32_t* kp, float* s, int rows, int head_
 void accumulate(const float* p, const float* alpha, const uint32_t* vp, float* o, int rows, int nc,
                 int head_size);
 
+// Decode (a few query rows per KV head), straight from bf16 cache rows: no packing.
+
+/// s[hl * rows + r][n] = scale * q[hl * rows + r] . k(n, hl) for KV heads hl < heads and rows
+/// r < rows (<= 8), keys n < nc; k(n, hl) = k_rows[n] + hl * head_stride (bf16 values).
+/// q is bf16 [heads * rows][head_size]; s is [heads * rows][kChunk].
+void scores_few(const uint16_t* q, const uint16_t* const* k_rows, int64_t head_stride, int heads,
+                int nc, int rows, int head_size, float scale, float* s);
+
+/// o[r][:] = o[r][:] * alpha[r] + sum_n bf16(p[r][n]) v(n)[:] for r < rows, n < nc, with
+/// v(n) = v_rows[n] + head_offset (bf16 values); p is [rows][kChunk], o [rows][head_size].
+void accumulate_few(const float* p, const float* alpha, const uint16_t* const* v_rows,
+                    int64_t head_offset, int nc, int rows, int head_size, float* o);
+
+/// Exact fp8 (e4m3fn, or e5m2) -> bf16 of n values, infinities and NaN included (bf16 holds
+/// every fp8 value).
+void fp8_to_bf16(const uint8_t* src, uint16_t* dst, int64_t n, bool e5m2);
+
 }  // namespace pagedattn::cpu::bf16

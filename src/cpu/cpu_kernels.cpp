@@ -102,18 +102,19 @@ HWY_INLINE VF LoadF32(DF df, const E5M2* p) {
   const auto b = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const uint8_t*>(p)));
   return HalfToF32(df, hn::ShiftLeft<8>(b));
 }
-// e4m3fn: sign to bit 15, exponent+mantissa to bits 7..13 of a half, then scale by 2^8 (the
-// bias difference 15 - 7). Exact for normals and subnormals; the one NaN code (S.1111.111)
-// would read 480, which no finite e4m3 equals, so it is replaced by NaN.
+// e4m3fn: sign-extend the byte to 16 bits, shift left by 7 and keep the sign and bits 7..13:
+// a half whose exponent and mantissa are the e4m3 ones, i.e. the value / 2^8 (the bias
+// difference 15 - 7), exact for normals and subnormals. The one NaN code (S.1111.111) would
+// read 1.875 * 2^8 = 480, which no finite e4m3 equals: its exponent is forced to 31 (NaN).
 HWY_INLINE VF LoadF32(DF df, const E4M3* p) {
-  const hn::Rebind<uint8_t, DF> d8;
-  const hn::Rebind<uint16_t, DF> d16;
-  const auto b = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const uint8_t*>(p)));
-  const auto h = hn::Or(hn::ShiftLeft<8>(hn::And(b, hn::Set(d16, 0x80))),
-                        hn::ShiftLeft<7>(hn::And(b, hn::Set(d16, 0x7f))));
-  const VF x = hn::Mul(HalfToF32(df, h), hn::Set(df, 256.0f));
-  return hn::IfThenElse(hn::Eq(hn::Abs(x), hn::Set(df, 480.0f)),
-                        hn::Set(df, std::numeric_limits<float>::quiet_NaN()), x);
+  const hn::Rebind<int8_t, DF> d8;
+  const hn::Rebind<int16_t, DF> d16;
+  const hn::Rebind<uint16_t, DF> du16;
+  const auto b = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const int8_t*>(p)));
+  auto h = hn::And(hn::ShiftLeft<7>(b), hn::Set(d16, int16_t(0xBF80)));
+  const auto nan = hn::Eq(hn::And(b, hn::Set(d16, 0x7f)), hn::Set(d16, 0x7f));
+  h = hn::IfThenElse(nan, hn::Or(h, hn::Set(d16, 0x7c00)), h);
+  return hn::Mul(HalfToF32(df, hn::BitCast(du16, h)), hn::Set(df, 256.0f));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -304,12 +305,12 @@ struct Scratch {
     grow(row_sum, size_t(rows));
     grow(row_alpha, size_t(rows));
   }
-  void reserve_bf16(int rows, int head_size) {
+  void reserve_bf16(int rows, int head_size, int heads) {
     auto grow = [](auto& b, size_t n) {
       if (b.size() < n) b.resize(n);
     };
     grow(qb, size_t(rows) * head_size);
-    grow(kv16, size_t(2 * kChunk) * head_size);
+    grow(kv16, size_t(2 * kChunk) * size_t(heads) * head_size);
     grow(kp, size_t(head_size / 2) * kChunk);
     grow(vp, size_t(kChunk / 2) * head_size);
   }
@@ -630,12 +631,39 @@ HWY_INLINE void ChunkRowsBf16(const uint8_t* const* rows, int64_t head_offset, i
     if constexpr (std::is_same_v<KV, hwy::bfloat16_t>) {
       out[n] = reinterpret_cast<const uint16_t*>(r);
     } else {
-      const DF df;
-      const int N = int(hn::Lanes(df));
-      auto* dst = reinterpret_cast<hwy::bfloat16_t*>(tmp + n * d_size);
-      for (int d = 0; d < d_size; d += N) StoreF32(df, LoadF32(df, r + d), dst + d);
+      bf16::fp8_to_bf16(reinterpret_cast<const uint8_t*>(r), tmp + n * d_size, d_size,
+                        std::is_same_v<KV, E5M2>);
       out[n] = tmp + n * d_size;
     }
+  }
+}
+
+// As ChunkRowsBf16 for KV heads [h0, h0 + heads) at once (decode items): out[n] points at head
+// h0 of key n; *head_stride is the distance to the next head (converted rows are packed).
+template <class KV>
+HWY_INLINE void ChunkRowsBf16Heads(const uint8_t* const* rows, int64_t stride_head, int h0,
+                                   int heads, int nc, int d_size, uint16_t* tmp,
+                                   const uint16_t** out, int64_t* head_stride) {
+  if constexpr (std::is_same_v<KV, hwy::bfloat16_t>) {
+    for (int n = 0; n < nc; ++n)
+      out[n] = reinterpret_cast<const uint16_t*>(rows[n]) + h0 * stride_head;
+    *head_stride = stride_head;
+  } else {
+    const bool adjacent = stride_head == d_size;
+    for (int n = 0; n < nc; ++n) {
+      const uint8_t* r = rows[n] + h0 * stride_head;
+      uint16_t* dst = tmp + int64_t(n) * heads * d_size;
+      if (adjacent) {
+        bf16::fp8_to_bf16(r, dst, int64_t(heads) * d_size, std::is_same_v<KV, E5M2>);
+      } else {
+        for (int hl = 0; hl < heads; ++hl) {
+          bf16::fp8_to_bf16(r + hl * stride_head, dst + hl * d_size, d_size,
+                            std::is_same_v<KV, E5M2>);
+        }
+      }
+      out[n] = dst;
+    }
+    *head_stride = d_size;
   }
 }
 
@@ -699,14 +727,15 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
   cur.resolve(src, w.k_begin, int(std::min<int64_t>(kChunk, w.k_end - w.k_begin)));
   PrefetchRows<KV>(src, cur, int(std::min<int64_t>(kChunk, w.k_end - w.k_begin)), w.kv_head, heads,
                    d_size);
-  // Prefill tiles go through the bf16 pair-dot kernels where the CPU has them (and the values
-  // are exact in bf16); their scores come out unscaled, so qscale is applied there.
+  // bf16 queries over bf16 or fp8 caches (exact in bf16) go through the AVX512-BF16 pair-dot
+  // kernels where the CPU has them, decode and prefill alike; qscale is applied to their scores.
   bool use_bf16 = false;
 #if HWY_TARGET == HWY_AVX3
-  use_bf16 = kBf16Exact<KV> && p.q_dtype == DType::kBF16 && per_head > 8 && bf16::enabled();
+  use_bf16 = kBf16Exact<KV> && p.q_dtype == DType::kBF16 && bf16::enabled();
 #endif
+  const bool few_rows = per_head <= 8;
   if (use_bf16) {
-    sc.reserve_bf16(rows, d_size);
+    sc.reserve_bf16(rows, d_size, heads);
     for (int row = 0; row < rows; ++row) {
       const int64_t token = q0 + w.q_begin + map.token(row);
       std::memcpy(sc.qb.data() + row * d_size,
@@ -716,6 +745,7 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
     }
   }
   const uint16_t* rows16[kChunk];
+  int64_t head_stride16 = 0;
 
   for (int64_t j0 = w.k_begin; j0 < w.k_end; j0 += kChunk) {
     const int nc = int(std::min<int64_t>(kChunk, w.k_end - j0));
@@ -724,41 +754,58 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
       next.resolve(src, j0 + kChunk, next_nc);
       PrefetchRows<KV>(src, next, next_nc, w.kv_head, heads, d_size);
     }
-    switch (per_head) {
+    if (use_bf16 && few_rows) {
+      ChunkRowsBf16Heads<KV>(cur.k, p.k_stride_head, w.kv_head, heads, nc, d_size, sc.kv16.data(),
+                             rows16, &head_stride16);
+      bf16::scores_few(sc.qb.data(), rows16, head_stride16, heads, nc, per_head, d_size, qscale, s);
+    } else
+      switch (per_head) {
 #define PAGEDATTN_CPU_FEW(k)                                                        \
   case k:                                                                           \
     ScoresFewRows<k, KV>(cur, p.k_stride_head, nc, w.kv_head, heads, d_size, q, s); \
     break;
-      PAGEDATTN_CPU_FEW(1)
-      PAGEDATTN_CPU_FEW(2)
-      PAGEDATTN_CPU_FEW(3)
-      PAGEDATTN_CPU_FEW(4)
-      PAGEDATTN_CPU_FEW(5)
-      PAGEDATTN_CPU_FEW(6)
-      PAGEDATTN_CPU_FEW(7)
-      PAGEDATTN_CPU_FEW(8)
+        PAGEDATTN_CPU_FEW(1)
+        PAGEDATTN_CPU_FEW(2)
+        PAGEDATTN_CPU_FEW(3)
+        PAGEDATTN_CPU_FEW(4)
+        PAGEDATTN_CPU_FEW(5)
+        PAGEDATTN_CPU_FEW(6)
+        PAGEDATTN_CPU_FEW(7)
+        PAGEDATTN_CPU_FEW(8)
 #undef PAGEDATTN_CPU_FEW
-      default:
-        for (int hl = 0; hl < heads; ++hl) {
-          if (use_bf16) {
-            ChunkRowsBf16<KV>(cur.k, (w.kv_head + hl) * p.k_stride_head, nc, d_size, sc.kv16.data(),
-                              rows16);
-            bf16::pack_keys(rows16, nc, d_size, sc.kp.data());
-            bf16::scores(sc.qb.data() + hl * per_head * d_size, sc.kp.data(),
-                         s + hl * per_head * kChunk, per_head, d_size, qscale);
-            continue;
+        default:
+          for (int hl = 0; hl < heads; ++hl) {
+            if (use_bf16) {
+              ChunkRowsBf16<KV>(cur.k, (w.kv_head + hl) * p.k_stride_head, nc, d_size,
+                                sc.kv16.data(), rows16);
+              bf16::pack_keys(rows16, nc, d_size, sc.kp.data());
+              bf16::scores(sc.qb.data() + hl * per_head * d_size, sc.kp.data(),
+                           s + hl * per_head * kChunk, per_head, d_size, qscale);
+              continue;
+            }
+            PackKeysTransposed<KV>(cur, (w.kv_head + hl) * p.k_stride_head, nc, d_size,
+                                   sc.kt.data(), sc.v.data());
+            ScoresManyRows(q + hl * per_head * d_size, sc.kt.data(), s + hl * per_head * kChunk,
+                           per_head, d_size);
           }
-          PackKeysTransposed<KV>(cur, (w.kv_head + hl) * p.k_stride_head, nc, d_size, sc.kt.data(),
-                                 sc.v.data());
-          ScoresManyRows(q + hl * per_head * d_size, sc.kt.data(), s + hl * per_head * kChunk,
-                         per_head, d_size);
-        }
-        break;
-    }
+          break;
+      }
     for (int row = 0; row < rows; ++row) {
       sc.row_alpha[size_t(row)] =
           SoftmaxRow(p, s + row * kChunk, nc, j0, context + w.q_begin + map.token(row),
                      map.head(row), &sc.row_max[size_t(row)], &sc.row_sum[size_t(row)]);
+    }
+    if (use_bf16 && few_rows) {
+      ChunkRowsBf16Heads<KV>(cur.v, p.v_stride_head, w.kv_head, heads, nc, d_size,
+                             sc.kv16.data() + int64_t(kChunk) * heads * d_size, rows16,
+                             &head_stride16);
+      for (int hl = 0; hl < heads; ++hl) {
+        bf16::accumulate_few(s + hl * per_head * kChunk, sc.row_alpha.data() + hl * per_head,
+                             rows16, hl * head_stride16, nc, per_head, d_size,
+                             o + hl * per_head * d_size);
+      }
+      std::swap(cur, next);
+      continue;
     }
     for (int hl = 0; hl < heads; ++hl) {
       const int64_t v_head = (w.kv_head + hl) * p.v_stride_head;
