@@ -40,10 +40,14 @@ void pack_values(const uint16_t* const* rows, int nc, int head_size, uint32_t* v
     const uint16_t* b = n + 1 < nc ? rows[n + 1] : nullptr;
     uint32_t* out = vp + (n / 2) * head_size;
     for (int d = 0; d < head_size; d += 32) {
-      const __m512i va = _mm512_loadu_si512(a + d);
-      const __m512i vb = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+      // Head sizes that are a multiple of 16 but not of 32 (80, 112) end with a half vector:
+      // masked loads, and only the low half stored.
+      const int w = head_size - d;
+      const __mmask32 m = w >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << w) - 1);
+      const __m512i va = _mm512_maskz_loadu_epi16(m, a + d);
+      const __m512i vb = b ? _mm512_maskz_loadu_epi16(m, b + d) : _mm512_setzero_si512();
       _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(va, lo_idx, vb));
-      _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(va, hi_idx, vb));
+      if (w > 16) _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(va, hi_idx, vb));
     }
   }
 }
