@@ -12,6 +12,7 @@
 
 #include <cstring>
 
+#include "cpu/cpu_bf16_common.h"
 #include "pagedattn/dtype.h"
 
 // As cpu_bf16_dot.cpp: compiled with AVX-512 flags, so no header templates (no std::min,
@@ -51,25 +52,12 @@ void scores_rows(const uint16_t* q, const uint16_t* const* k_rows, int64_t head_
   }
 }
 
-// Rows of probabilities as bf16 pairs along the keys (round to nearest even).
-inline void probs_to_pairs(const float* p, uint32_t* out, int rows) {
-  for (int r = 0; r < rows; ++r) {
-    for (int n = 0; n < kChunk; n += 32) {
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + r * kChunk + n + 16),
-                                             _mm512_loadu_ps(p + r * kChunk + n));
-      _mm512_storeu_si512(out + r * (kChunk / 2) + n / 2, (__m512i)v);
-    }
-  }
-}
-
 // o rows [kRows][head_size], columns [c0, c0 + 16 * kCols).
 template <int kRows, int kCols>
 void accumulate_block(const uint32_t* pp, const float* alpha, const uint16_t* const* v_rows,
                       int64_t head_offset, int nc, int head_size, float* o, int c0) {
-  const __m512i lo_idx =
-      _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const __m512i lo_idx = interleave_lo_index();
+  const __m512i hi_idx = interleave_hi_index();
   __m512 acc[kRows][kCols];
   for (int r = 0; r < kRows; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);

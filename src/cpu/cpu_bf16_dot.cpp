@@ -11,6 +11,8 @@
 
 #include <cstring>
 
+#include "cpu/cpu_bf16_common.h"
+
 namespace pagedattn::cpu::bf16 {
 
 bool available() {
@@ -30,11 +32,8 @@ void pack_keys(const uint16_t* const* rows, int nc, int head_size, uint32_t* kp)
 }
 
 void pack_values(const uint16_t* const* rows, int nc, int head_size, uint32_t* vp) {
-  // Word interleave of two rows, 16 columns at a time: (a0 b0 a1 b1 ... a15 b15).
-  const __m512i lo_idx =
-      _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const __m512i lo_idx = interleave_lo_index();
+  const __m512i hi_idx = interleave_hi_index();
   for (int n = 0; n < nc; n += 2) {
     const uint16_t* a = rows[n];
     const uint16_t* b = n + 1 < nc ? rows[n + 1] : nullptr;
@@ -81,19 +80,6 @@ inline void scores_tile(const uint16_t* q, const uint32_t* kp, float* s, int hea
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < 4; ++c)
       _mm512_storeu_ps(s + r * kChunk + c * 16, _mm512_mul_ps(acc[r][c], sc));
-}
-
-// Rows of probabilities as bf16 pairs along the keys (round to nearest even).
-inline void probs_to_pairs(const float* p, uint32_t* out, int rows) {
-  for (int r = 0; r < rows; ++r) {
-    for (int n = 0; n < kChunk; n += 32) {
-      // cvtne2ps packs (b, a) as [a0..a15 | b0..b15] in bf16 lanes: keys n..n+31 in order, so
-      // consecutive lanes form the (even, odd) pairs.
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + r * kChunk + n + 16),
-                                             _mm512_loadu_ps(p + r * kChunk + n));
-      _mm512_storeu_si512(out + r * (kChunk / 2) + n / 2, (__m512i)v);
-    }
-  }
 }
 
 template <int kRows, int kCols>

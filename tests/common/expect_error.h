@@ -18,3 +18,23 @@
     }                                                                               \
     EXPECT_TRUE(pagedattn_thrown_) << #statement " did not throw " #exception_type; \
   } while (0)
+
+namespace pagedattn::testing {
+
+/// The message of the exception of type E that f() throws (a test failure if it throws none).
+template <class E, class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an exception";
+  return {};
+}
+
+inline bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+}  // namespace pagedattn::testing

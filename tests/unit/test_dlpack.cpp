@@ -7,26 +7,15 @@
 #include <string>
 #include <vector>
 
+#include "common/expect_error.h"
 #include "pagedattn/dlpack.h"
 #include "pagedattn/error.h"
 
 namespace pagedattn {
 namespace {
 
-template <class E, class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an exception";
-  return {};
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
+using testing::contains;
+using testing::error_of;
 
 void expect_same_view(const TensorView& a, const TensorView& b) {
   EXPECT_EQ(a.data, b.data);

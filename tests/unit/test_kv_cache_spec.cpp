@@ -8,23 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "common/expect_error.h"
 #include "pagedattn/error.h"
 #include "pagedattn/kv_cache_spec.h"
 
 namespace pagedattn {
 namespace {
 
-// The message of the E that `f` throws (a test failure when it throws nothing).
-template <class E, class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an exception";
-  return {};
-}
+using testing::error_of;
 
 constexpr int64_t kMiB = int64_t(1) << 20;
 constexpr int64_t kGiB = int64_t(1) << 30;
