@@ -14,6 +14,7 @@
 #include "common/expect_error.h"
 #include "cuda/backend/cuda_backend.h"
 #include "cuda/backend/plan.h"
+#include "cuda/decode/launch.h"
 #include "pagedattn/accuracy.h"
 #include "pagedattn/error.h"
 #include "pagedattn/kv_cache.h"
@@ -234,6 +235,93 @@ TEST(CudaDecode, TheWholeBackendOpsMatrixPasses) {
     passed += r.passed;
   }
   EXPECT_GT(passed, 50);
+}
+
+// With one visible key the output row is v_scale * V and the LSE is scale * k_scale * q.k, so
+// every code of an fp8 cache must widen to its exact value through the tensor-core kernels (in
+// registers, or in smem at head size 80): a flushed subnormal or a byte routed to the wrong
+// lane or column shows as a wrong element. Request r's key holds code r in every K dim (its
+// query is one-hot at a dim that moves with r and the head) and code r + j in V dim j; codes
+// without a finite value (e4m3 NaN, e5m2 inf / NaN) are replaced by 0.
+TEST(CudaDecode, EveryFp8CodeWidensExactly) {
+  REQUIRE_GPU();
+  const auto backend = cuda::make_backend({false, 1});
+  constexpr int kRequests = 256, kHeads = 4;
+  for (DType act : {DType::kBF16, DType::kF16}) {
+    for (KVCacheDType kv : {KVCacheDType::kFp8E4M3, KVCacheDType::kFp8E5M2}) {
+      for (int d : cuda::decode::compiled_head_sizes(act, cuda::decode::KVKind::kFp8)) {
+        AttentionConfig c;
+        c.num_heads = kHeads;
+        c.num_kv_heads = 1;
+        c.head_size = d;
+        c.scale = 0.5f;
+        c.dtype = act;
+        c.kv_cache_dtype = kv;
+        c.block_size = 16;
+        const DType cd = c.cache_dtype();
+        auto value = [&](int code) {
+          return double(cd == DType::kFp8E4M3 ? fp8_e4m3_to_float(uint8_t(code))
+                                              : fp8_e5m2_to_float(uint8_t(code)));
+        };
+        auto finite_code = [&](int code) { return std::isfinite(value(code)) ? code : 0; };
+        KVCache host = KVCache::allocate(c, kRequests + 1);
+        std::memset(host.storage().data(), 0, host.storage().view().nbytes());
+        const KVCacheView hv = host.view();
+        MetadataBuilder b(c.block_size);
+        for (int r = 0; r < kRequests; ++r) {
+          const int64_t block = r + 1;
+          auto* k = static_cast<uint8_t*>(hv.key.data) + block * hv.key.stride(0);
+          auto* v = static_cast<uint8_t*>(hv.value.data) + block * hv.value.stride(0);
+          for (int j = 0; j < d; ++j) {
+            k[j] = uint8_t(finite_code(r));
+            v[j] = uint8_t(finite_code((r + j) % 256));
+          }
+          b.add(RequestSpec{0, 1, {int32_t(block)}});
+        }
+        StepMetadata step = b.build();
+        const AttentionMetadata md = step.to_device(Device::cuda(0));
+        Tensor q_host = Tensor::empty({kRequests, kHeads, d}, act);
+        for (int64_t i = 0; i < q_host.view().numel(); ++i) store_element(q_host.data(), act, i, 0);
+        for (int r = 0; r < kRequests; ++r) {
+          for (int h = 0; h < kHeads; ++h) {
+            store_element(q_host.data(), act, (int64_t(r) * kHeads + h) * d + (r + 5 * h) % d, 1);
+          }
+        }
+        const Tensor cache = Tensor::copy_of(host.storage().view(), Device::cuda(0));
+        const Tensor q = Tensor::copy_of(q_host.view(), Device::cuda(0));
+        Tensor out = Tensor::empty({kRequests, kHeads, d}, act, Device::cuda(0));
+        Tensor lse = Tensor::empty({kHeads, kRequests}, DType::kF32, Device::cuda(0));
+        const auto plan = backend->plan(md, c);
+        ASSERT_EQ(plan->workspace_bytes(), 0u);
+        ForwardArgs f;
+        f.query = q.view();
+        f.kv_cache = KVCacheView::from_combined(cache.view());
+        f.metadata = &md;
+        f.output = out.view();
+        f.lse = lse.view();
+        f.plan = plan.get();
+        backend->make_impl(c, Device::cuda(0))->forward(f);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const Tensor out_h = Tensor::copy_of(out.view(), Device::cpu());
+        const Tensor lse_h = Tensor::copy_of(lse.view(), Device::cpu());
+        int wrong_out = 0, wrong_lse = 0;
+        for (int r = 0; r < kRequests; ++r) {
+          for (int h = 0; h < kHeads; ++h) {
+            const double want_lse = 0.5 * value(finite_code(r));
+            const double got_lse =
+                load_element(lse_h.data(), DType::kF32, int64_t(h) * kRequests + r);
+            wrong_lse += std::abs(got_lse - want_lse) > 1e-6 * std::abs(want_lse);
+            for (int j = 0; j < d; ++j) {
+              const double got = load_element(out_h.data(), act, (int64_t(r) * kHeads + h) * d + j);
+              wrong_out += got != value(finite_code((r + j) % 256));
+            }
+          }
+        }
+        EXPECT_EQ(wrong_out, 0) << dtype_name(act) << " over " << to_string(kv) << " d" << d;
+        EXPECT_EQ(wrong_lse, 0) << dtype_name(act) << " over " << to_string(kv) << " d" << d;
+      }
+    }
+  }
 }
 
 Tensor random_host(std::vector<int64_t> shape, DType dtype, std::mt19937& rng, float std_dev = 1) {

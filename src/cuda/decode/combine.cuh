@@ -23,6 +23,10 @@ inline constexpr int kCombineRowsPerCta = 4;
 template <DType kAct>
 __global__ void __launch_bounds__(32 * kCombineRowsPerCta)
     combine_kernel(const __grid_constant__ DecodeParams p) {
+  // Launched right behind the attention kernel (programmatic dependent launch): wait for its
+  // partials, and let the next kernel of the stream be scheduled behind us in turn.
+  sm80::grid_dependency_wait();
+  sm80::launch_dependent_grids();
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * kCombineRowsPerCta + (threadIdx.x >> 5);
   if (row >= p.num_actual_tokens * p.num_heads) return;
@@ -94,8 +98,8 @@ void CombineOps<kAct>::launch(const DecodeParams& p, cudaStream_t stream) {
   const int rows = p.num_actual_tokens * p.num_heads;
   if (rows == 0 || p.num_splits <= 1) return;
   const int ctas = (rows + kCombineRowsPerCta - 1) / kCombineRowsPerCta;
-  combine_kernel<kAct><<<ctas, 32 * kCombineRowsPerCta, 0, stream>>>(p);
-  PAGEDATTN_CUDA_CHECK_LAUNCH();
+  launch_with_pdl(combine_kernel<kAct>, dim3(unsigned(ctas)), dim3(32 * kCombineRowsPerCta), 0,
+                  stream, p);
 }
 
 }  // namespace pagedattn::cuda::decode

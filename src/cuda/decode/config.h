@@ -11,7 +11,8 @@ namespace pagedattn::cuda::decode {
 /// How a compiled instance reads the KV cache.
 enum class KVKind : uint8_t {
   kSame,  ///< 16-bit cache of the activation dtype: tensor cores straight from the stage
-  kFp8,   ///< e4m3 / e5m2 (chosen at run time): widened exactly to the activation dtype in smem
+  kFp8,   ///< e4m3 / e5m2 (chosen at run time): widened exactly to the activation dtype in
+          ///< registers (in smem at head size 80)
   kAny,   ///< any cache dtype and any head size (run time): float CUDA-core math, the slow path
 };
 
@@ -31,6 +32,8 @@ inline constexpr int kMinSplitTokens = 256;
 /// Shared memory a CTA may take and still share the SM with another (228 KB per SM, 1 KB
 /// reserved per CTA): two CTAs keep 8 warps of loads in flight.
 inline constexpr int kTwoCtaSmemBudget = 113 * 1024;
+/// Shared memory a CTA may take and still share the SM with two others.
+inline constexpr int kThreeCtaSmemBudget = 75 * 1024;
 /// Largest opt-in dynamic shared memory per CTA on sm_90.
 inline constexpr int kMaxSmemPerCta = 227 * 1024;
 
@@ -73,8 +76,18 @@ constexpr SmemLayout smem_layout(int head_size, int kv_elem_bytes, bool mma, boo
 
 /// Pipeline depth of a tensor-core instance. Decode is bound by bytes in flight (HBM3e needs
 /// 32-64 KB per SM outstanding): take 3-4 stages with two CTAs per SM when they fit, else one
-/// CTA per SM with as many stages (up to 4) as fit in 227 KB.
+/// CTA per SM with as many stages (up to 4) as fit in 227 KB. fp8 widened in registers reads
+/// half the bytes per tile and left the issue slots ~55% idle with 2 warps per scheduler: it
+/// takes three CTAs (12 warps) per SM with 3-4 stages when they fit, the same bytes in flight
+/// as 2 x 4 stages (measured +5% at batch 64, 4k: docs/kernel_notes.md, v4).
 constexpr int mma_stages(int head_size, int kv_elem_bytes, bool widen) {
+  if (kv_elem_bytes == 1 && !widen) {
+    for (int stages = 4; stages >= 3; --stages) {
+      if (smem_layout(head_size, 1, true, false, 4, stages).total <= kThreeCtaSmemBudget) {
+        return stages;
+      }
+    }
+  }
   for (int stages = 4; stages >= 3; --stages) {
     if (smem_layout(head_size, kv_elem_bytes, true, widen, 4, stages).total <= kTwoCtaSmemBudget) {
       return stages;
@@ -108,8 +121,24 @@ struct Traits {
   static constexpr int kWarps = kMma ? 4 : 2;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kKvBytes = kKV == KVKind::kSame ? 2 : (kKV == KVKind::kFp8 ? 1 : 4);
-  static constexpr bool kWiden = kKV != KVKind::kSame;
+  /// fp8 widened in registers: each lane reads its B fragments' bytes with 32-bit-or-wider LDS
+  /// and builds the 16-bit pairs with integer ops and one exact multiply (kernel.cuh,
+  /// Fp8Widen). It needs head_size / 32 whole words per lane and token (head sizes that are
+  /// multiples of 32); head size 80 keeps the smem widening pass.
+  static constexpr bool kRegFp8 = kKV == KVKind::kFp8 && kHeadSize % 32 == 0;
+  /// A widened copy of each stage in smem (generic kernel; fp8 at head size 80).
+  static constexpr bool kWiden = kKV == KVKind::kAny || (kKV == KVKind::kFp8 && !kRegFp8);
   static constexpr int kStages = kMma ? mma_stages(kHeadSize, kKvBytes, kWiden) : 2;
+  /// CTAs per SM the instance is built for (__launch_bounds__): 3 for the fp8 instances whose
+  /// smem allows it (ptxas then keeps d128 at <= 168 registers); 1 where smem allows only one
+  /// (without it ptxas held f16 d192 at 168 registers and spilled); else 0 = not given (a 1
+  /// there changes ptxas's register choices: bf16 d128 168 -> 197).
+  static constexpr int kMmaSmem =
+      kMma ? smem_layout(kHeadSize, kKvBytes, true, kWiden, kWarps, kStages).total : 0;
+  static constexpr int kMinCtasPerSm = !kMma                                        ? 0
+                                       : kRegFp8 && kMmaSmem <= kThreeCtaSmemBudget ? 3
+                                       : kMmaSmem > kTwoCtaSmemBudget               ? 1
+                                                                                    : 0;
   /// Split boundaries fall on multiples of this, so every warp of a split gets whole tiles.
   static constexpr int kSplitAlign = kWarps * kTileTokens;
   /// Keep Q's fragments in registers up to head size 128 (32 registers); above, reload them

@@ -18,15 +18,18 @@
 //             warps merge through shared memory at the end.
 //   math      tensor-core instances: S = Q K^T and O += P V with mma.sync m16n8k16 (fp32
 //             accumulation), Q and K/V fed by ldmatrix from padded rows, P rounded to the
-//             activation dtype as the reference's low-precision model does. The generic
+//             activation dtype as the reference's low-precision model does; an fp8 cache
+//             (head sizes that are multiples of 32) is widened in registers from 16/8/4-byte
+//             LDS of the stage (Fp8Widen, with Q stored in fragment order). The generic
 //             instance does the same in float on CUDA cores. Softmax runs in log2 units (one
 //             exp2 per score; log2(e) folded into the scale).
-//   loads     16-byte cp.async.cg with an L2 evict-first policy; the row address of every key
-//             comes from the block table, looked up one tile ahead; rows past the split are
-//             zero-filled and masked.
+//   loads     16-byte cp.async.cg, whole rows per copy instruction; the row address of every
+//             key comes from the block table, looked up one tile ahead by lane (row % 16) and
+//             shuffled to the lanes that copy it; rows past the split are zero-filled and
+//             masked. Launched with programmatic dependent launch (griddepcontrol).
 //   budget    smem: config.h smem_layout (e.g. 106 KB at head size 128 bf16: 2 CTAs per SM,
-//             ~128 KB of loads in flight per SM); registers: O is head_size / 2 floats per
-//             thread. docs/kernel_notes.md has the ptxas figures.
+//             ~128 KB of loads in flight per SM; 58 KB at fp8 d128: 3 CTAs); registers: O is
+//             head_size / 2 floats per thread. docs/kernel_notes.md has the ptxas figures.
 //   test      tests/cuda and `backend_ops test --device cuda` (every feature against float64);
 //             time with bench/gpu/bench_decode (bench/gpu/run_h200.sh runs both).
 #pragma once
@@ -108,17 +111,35 @@ __device__ __forceinline__ void softmax_tile(const DecodeParams& p, float (&s)[2
                                              const ThreadRow (&rows)[2], int tile_start,
                                              bool need_mask, int t4, float (&m)[2], float (&l)[2],
                                              float (&o)[kNt][4]) {
+  // Warp-uniform branches around the loops: the common case (no soft cap, no ALiBi, a tile
+  // inside every row's range) runs 8 multiplies.
+  if (p.softcap > 0.0f) {
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
+    for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const ThreadRow& rw = rows[c >> 1];
-      const int j = tile_start + nt * 8 + 2 * t4 + (c & 1);
-      float x = s[nt][c];
-      x = p.softcap > 0.0f ? p.softcap_log2 * tanhf(x * p.softcap_arg_scale) : x * p.scale_log2;
-      if (p.alibi_slopes != nullptr) x += rw.alibi2 * float(j - rw.pos);
-      if (need_mask && (j < rw.lo || j >= rw.hi)) x = -INFINITY;
-      s[nt][c] = x;
+      for (int c = 0; c < 4; ++c) {
+        s[nt][c] = p.softcap_log2 * tanhf(s[nt][c] * p.softcap_arg_scale);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[nt][c] *= p.scale_log2;
+    }
+  }
+  if (p.alibi_slopes != nullptr || need_mask) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const ThreadRow& rw = rows[c >> 1];
+        const int j = tile_start + nt * 8 + 2 * t4 + (c & 1);
+        float x = s[nt][c];
+        if (p.alibi_slopes != nullptr) x += rw.alibi2 * float(j - rw.pos);
+        if (need_mask && (j < rw.lo || j >= rw.hi)) x = -INFINITY;
+        s[nt][c] = x;
+      }
     }
   }
   float mx[2];
@@ -146,12 +167,71 @@ __device__ __forceinline__ void softmax_tile(const DecodeParams& p, float (&s)[2
   for (int h = 0; h < 2; ++h) {
     l[h] = l[h] * corr[h] + (s[0][2 * h] + s[0][2 * h + 1]) + (s[1][2 * h] + s[1][2 * h + 1]);
   }
+  // O is rescaled only when some row's running max moved (corr is exactly 1 otherwise): after
+  // the first tiles of a long range, almost never. The vote keeps the branch warp-uniform.
+  if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-  for (int nt = 0; nt < kNt; ++nt) {
-    o[nt][0] *= corr[0];
-    o[nt][1] *= corr[0];
-    o[nt][2] *= corr[1];
-    o[nt][3] *= corr[1];
+    for (int nt = 0; nt < kNt; ++nt) {
+      o[nt][0] *= corr[0];
+      o[nt][1] *= corr[0];
+      o[nt][2] *= corr[1];
+      o[nt][3] *= corr[1];
+    }
+  }
+}
+
+// fp8 -> 16-bit in registers, exactly. An fp8 code x (sign, then exponent and mantissa in
+// `mag` = x & 0x7f) becomes sign << 15 | mag << (8 - shift), a 16-bit float of the same sign
+// whose exponent field holds x's exponent field and whose mantissa starts with x's: the value
+// times 2^-(bias difference). One multiply by 2^(bias difference) (no flush: subnormal codes
+// land on normal values) gives the exact value:
+//   e4m3 -> bf16: shift 4, x 2^120     e5m2 -> bf16: shift 3, x 2^112
+//   e4m3 -> f16:  shift 1, x 2^8       e5m2 -> f16:  shift 0, x 1 (the code is f16's top byte)
+// Unlike the cvt path, the codes without a finite value (e4m3 NaN, e5m2 inf / NaN) come out
+// finite (e4m3 NaN as +-480): write_kv never stores them from finite inputs (satfinite).
+template <DType kAct>
+struct Fp8Widen {
+  static constexpr bool kBF16 = kAct == DType::kBF16;
+  int shift;
+  uint32_t bias;  // 2^(bias difference), twice
+  __device__ __forceinline__ explicit Fp8Widen(bool e5m2) {
+    if constexpr (kBF16) {
+      shift = e5m2 ? 3 : 4;
+      bias = e5m2 ? 0x77807780u : 0x7B807B80u;  // bf16 2^112 / 2^120
+    } else {
+      shift = e5m2 ? 0 : 1;
+      bias = e5m2 ? 0x3C003C00u : 0x5C005C00u;  // f16 1 / 2^8
+    }
+  }
+  /// The two values whose codes are bytes 1 (low half of the result) and 3 of `w`.
+  __device__ __forceinline__ uint32_t hi(uint32_t w) const {
+    const uint32_t bits = (w & 0x80008000u) | ((w & 0x7F007F00u) >> shift);
+    return sm80::mul2<kBF16>(bits, bias);
+  }
+  /// Bytes 0 and 2 of `w`.
+  __device__ __forceinline__ uint32_t lo(uint32_t w) const { return hi(w << 8); }
+};
+
+/// Loads kBytes (a multiple of 4) of shared memory, aligned to the largest of 16, 8, 4 that
+/// divides kBytes, as 32-bit words.
+template <int kBytes>
+__device__ __forceinline__ void lds_words(const unsigned char* src, uint32_t (&w)[kBytes / 4]) {
+  static_assert(kBytes % 4 == 0);
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i) {
+      const uint4 v = reinterpret_cast<const uint4*>(src)[i];
+      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (kBytes % 8 == 0) {
+#pragma unroll
+    for (int i = 0; i < kBytes / 8; ++i) {
+      const uint2 v = reinterpret_cast<const uint2*>(src)[i];
+      w[2 * i] = v.x, w[2 * i + 1] = v.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBytes / 4; ++i) w[i] = reinterpret_cast<const uint32_t*>(src)[i];
   }
 }
 
@@ -267,7 +347,7 @@ __device__ __forceinline__ void store_final(const DecodeParams& p, int t, int h,
 }
 
 template <class T>
-__global__ void __launch_bounds__(T::kThreads)
+__global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
     decode_kernel(const __grid_constant__ DecodeParams p) {
   static_assert(T::kStages >= 2, "the pipeline needs two stages");
   constexpr int kWarps = T::kWarps;
@@ -277,6 +357,13 @@ __global__ void __launch_bounds__(T::kThreads)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;  // fragment row group and thread in group
+
+  // Everything below reads memory that earlier kernels of the stream may write (metadata, Q,
+  // the cache): wait for them (programmatic dependent launch; a no-op without the launch
+  // attribute), then let the next grid (the split combine, the next layer) be scheduled as our
+  // CTAs retire. It waits for our completion before reading anything.
+  sm80::grid_dependency_wait();
+  sm80::launch_dependent_grids();
 
   // ---- which rows and keys this CTA owns ----
   Work w;
@@ -288,12 +375,13 @@ __global__ void __launch_bounds__(T::kThreads)
     w.r = x / p.num_kv_heads;
     w.q_begin = p.query_start_loc[w.r];
     w.q_len = p.query_start_loc[w.r + 1] - w.q_begin;
+    w.kv_len = p.kv_direct ? 0 : p.seq_lens[w.r];  // loaded beside query_start_loc
     w.row0 = q_tile * kRows;
   }
   const int rows_total = w.q_len * p.group;
   if (w.row0 >= rows_total) return;  // a shorter query than the longest: nothing here
   w.num_rows = min(kRows, rows_total - w.row0);
-  w.kv_len = p.kv_direct ? w.q_len : p.seq_lens[w.r];
+  if (p.kv_direct) w.kv_len = w.q_len;
   // Key bounds grow with the row's token, so the first and last rows bound the CTA's range.
   const RowRange first = row_range(p, w, 0), last = row_range(p, w, w.num_rows - 1);
   {
@@ -328,35 +416,73 @@ __global__ void __launch_bounds__(T::kThreads)
     }
   }
 
-  // ---- Q tile -> smem (zeros for padding rows) ----
-  {
-    const int q_chunks = head_size / 8;  // 8 elements per chunk
-    for (int c = threadIdx.x; c < kRows * q_chunks; c += T::kThreads) {
-      const int row = c / q_chunks, col = c - row * q_chunks;
-      unsigned char* dst = smem + row * lay.q_row_bytes;
-      const char* src = nullptr;
-      if (row < w.num_rows) {
-        const int pr = w.row0 + row;
-        const int head = w.kv_head * p.group + pr % p.group;
-        src = static_cast<const char*>(p.q) +
-              ((int64_t(w.q_begin) + pr / p.group) * p.q_stride_token +
-               int64_t(head) * p.q_stride_head + col * 8) *
-                  kElemBytes<T::act>;
-      }
-      if constexpr (T::kMma) {
-        // The activation bits as they are: the tensor cores take Q in its own dtype.
-        uint4 raw = make_uint4(0, 0, 0, 0);
-        if (src != nullptr) {
-          if (p.vec_q) {
-            raw = *reinterpret_cast<const uint4*>(src);
-          } else {
-            uint16_t* r16 = reinterpret_cast<uint16_t*>(&raw);
+  // ---- Q tile: its global loads go out first (registers), the smem stores after the first
+  // KV copies are issued, so the two latencies overlap ----
+  const int q_chunks = head_size / 8;  // 8 elements per chunk
+  // Tensor-core instances: each thread's chunks, raw activation bits (zeros for padding rows).
+  constexpr int kQPerThread =
+      T::kMma ? ceil_div(kRows * (T::kMma ? T::head_size : 8) / 8, T::kThreads) : 1;
+  uint4 q_raw[kQPerThread];
+  auto q_src = [&](int row, int col) -> const char* {
+    if (row >= w.num_rows) return nullptr;
+    const int pr = w.row0 + row;
+    const int head = w.kv_head * p.group + pr % p.group;
+    return static_cast<const char*>(p.q) + ((int64_t(w.q_begin) + pr / p.group) * p.q_stride_token +
+                                            int64_t(head) * p.q_stride_head + col * 8) *
+                                               kElemBytes<T::act>;
+  };
+  if constexpr (T::kMma) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) r16[i] = reinterpret_cast<const uint16_t*>(src)[i];
-          }
+    for (int i = 0; i < kQPerThread; ++i) {
+      const int c = int(threadIdx.x) + i * T::kThreads;
+      const int row = c / q_chunks, col = c - row * q_chunks;
+      const char* src = c < kRows * q_chunks ? q_src(row, col) : nullptr;
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      if (src != nullptr) {
+        if (p.vec_q) {
+          raw = *reinterpret_cast<const uint4*>(src);
+        } else {
+          uint16_t* r16 = reinterpret_cast<uint16_t*>(&raw);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) r16[e] = reinterpret_cast<const uint16_t*>(src)[e];
         }
-        *reinterpret_cast<uint4*>(dst + col * 16) = raw;
-      } else {
+      }
+      q_raw[i] = raw;
+    }
+  }
+  // Q bits -> smem. Row-major (ldmatrix reads it) except for the in-register fp8 kernel, whose
+  // S = Q K^T reduces over head dims in a lane-contiguous order (see compute): there the tile
+  // is stored in A-fragment order, [k step][lane][a0..a3], one 16-byte load per k step.
+  auto store_q = [&] {
+    if constexpr (T::kMma) {
+#pragma unroll
+      for (int i = 0; i < kQPerThread; ++i) {
+        const int c = int(threadIdx.x) + i * T::kThreads;
+        if (c >= kRows * q_chunks) break;
+        const int row = c / q_chunks, col = c - row * q_chunks;
+        if constexpr (T::kRegFp8) {
+          // Elements 8*col .. +7 belong to lane (row % 8, t) with t = 8*col / (D/4), k steps
+          // ks0 and ks0 + 1; a0/a1 take dims {d+1, d+3}, a2/a3 dims {d, d+2} of the step's d.
+          constexpr int kSpan = T::head_size / 4;
+          const int t = (8 * col) / kSpan, ks0 = (8 * col - t * kSpan) / 4;
+          const int ln = (row & 7) * 4 + t, hi = row >> 3;
+          const uint32_t* q32 = reinterpret_cast<const uint32_t*>(&q_raw[i]);
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const uint32_t e01 = q32[2 * k], e23 = q32[2 * k + 1];  // dims d..d+3
+            uint32_t* dst = reinterpret_cast<uint32_t*>(smem + ((ks0 + k) * 32 + ln) * 16);
+            dst[hi] = sm80::prmt(e01, e23, 0x7632);      // {d+1, d+3}
+            dst[2 + hi] = sm80::prmt(e01, e23, 0x5410);  // {d, d+2}
+          }
+        } else {
+          *reinterpret_cast<uint4*>(smem + row * lay.q_row_bytes + col * 16) = q_raw[i];
+        }
+      }
+    } else {
+      // Generic kernel: float rows.
+      for (int c = threadIdx.x; c < kRows * q_chunks; c += T::kThreads) {
+        const int row = c / q_chunks, col = c - row * q_chunks;
+        const char* src = q_src(row, col);
         float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         if (src != nullptr) {
           if (T::act == DType::kF32 && p.vec_q) {
@@ -366,16 +492,15 @@ __global__ void __launch_bounds__(T::kThreads)
             f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
           } else {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) f[i] = load_as_float<T::act>(src, i);
+            for (int e = 0; e < 8; ++e) f[e] = load_as_float<T::act>(src, e);
           }
         }
-        float4* d4 = reinterpret_cast<float4*>(dst) + col * 2;
+        float4* d4 = reinterpret_cast<float4*>(smem + row * lay.q_row_bytes) + col * 2;
         d4[0] = make_float4(f[0], f[1], f[2], f[3]);
         d4[1] = make_float4(f[4], f[5], f[6], f[7]);
       }
     }
-  }
-  __syncthreads();
+  };
 
   // ---- per-warp pipeline over this warp's tiles ----
   const int n_tiles = ceil_div(w.kv_end - w.kv_begin, kTileTokens);
@@ -388,55 +513,84 @@ __global__ void __launch_bounds__(T::kThreads)
   const char* const k_base = static_cast<const char*>(p.k);
   const char* const v_base = static_cast<const char*>(p.v);
 
-  // Lane l looks up key row (l % 16) of a tile: its block id (or token row, kv_direct) and
-  // offset in the block. Done one tile ahead of the copy that needs it.
+  // Copy mapping: chunk c (16 bytes) of a tile's K (or V) rows, in row-major order, goes to
+  // lane c % 32, so one copy instruction covers whole rows (2 rows of 256 bytes at bf16 d128,
+  // 4 of 128 at fp8 d128): full 128-byte lines, the row's bytes requested together. (A
+  // version that gave each lane two whole rows, 64 bytes per row per instruction, read at
+  // 0.86 of the copy rate instead of 0.99: docs/kernel_notes.md, v2.) Lane l looks up row
+  // l % 16 of a tile one tile ahead; the copies fetch its 64-bit offsets by shuffle.
   struct RowRef {
-    int block, offset;
+    uint32_t block, offset;
     bool valid;
   };
+  // Power-of-two block sizes (all in practice) divide by a shift; others by a division.
+  const int bs_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
+  const int32_t* const bt_row = p.block_table + int64_t(w.r) * p.block_table_stride_seq;
   auto lookup = [&](int k) {
     RowRef ref{0, 0, false};
     const int pos = tile_start(k) + (lane & 15);
-    if (k < n_wt && pos < w.kv_end) {
-      ref.valid = true;
+    ref.valid = k < n_wt && pos < w.kv_end;
+    if (ref.valid) {
       if (p.kv_direct) {
-        ref.block = w.q_begin + pos;
+        ref.block = uint32_t(w.q_begin + pos);
       } else {
-        const int lb = pos / p.block_size;
-        ref.offset = pos - lb * p.block_size;
-        ref.block = p.block_table[int64_t(w.r) * p.block_table_stride_seq +
-                                  int64_t(lb) * p.block_table_stride_block];
+        const uint32_t lb =
+            bs_shift >= 0 ? uint32_t(pos) >> bs_shift : uint32_t(pos) / uint32_t(p.block_size);
+        ref.offset = uint32_t(pos) - lb * uint32_t(p.block_size);
+        ref.block = uint32_t(bt_row[int64_t(lb) * p.block_table_stride_block]);
       }
     }
     return ref;
   };
+  // Byte strides, and the KV head's base, once. K and V share the layout in every cache this
+  // library makes: then a V row sits at a fixed distance from its K row and one shuffled
+  // address serves both; a view with other V strides shuffles its own.
+  const int64_t k_sb = p.k_stride_block * kv_bytes, k_sp = p.k_stride_page * kv_bytes;
+  const int64_t v_sb = p.v_stride_block * kv_bytes, v_sp = p.v_stride_page * kv_bytes;
+  const bool same_strides = k_sb == v_sb && k_sp == v_sp && p.k_stride_head == p.v_stride_head;
+  const char* const k_head = k_base + int64_t(w.kv_head) * p.k_stride_head * kv_bytes;
+  const char* const v_head = v_base + int64_t(w.kv_head) * p.v_stride_head * kv_bytes;
+  const int64_t kv_delta = v_head - k_head;
+  // Chunks per row: a constant for the tensor-core instances, which then also know each
+  // lane's column (32 is a multiple of the row's chunks at every head size but 80 and 96).
+  const int cpr = T::kMma ? T::head_size * T::kKvBytes / 16 : chunks_per_row;
+  const int n_chunks = kTileTokens * cpr;
+  constexpr int kCpr = T::kMma ? T::head_size * T::kKvBytes / 16 : 1;
+  constexpr bool kFixedCol = T::kMma && 32 % kCpr == 0;
+  constexpr int kMaxIters = ceil_div(kTileTokens * (T::kMma ? kCpr : 64), 32);
   auto issue = [&](int stage, int k, const RowRef& ref) {
     if (k >= n_wt) return;  // warp-uniform
-    unsigned char* sk = my_stages + stage * lay.stage_bytes;
-    unsigned char* sv = sk + kTileTokens * lay.kv_row_bytes;
-    int64_t koff = 0, voff = 0;
-    if (ref.valid) {
-      koff = (int64_t(ref.block) * p.k_stride_block + int64_t(ref.offset) * p.k_stride_page +
-              int64_t(w.kv_head) * p.k_stride_head) *
-             kv_bytes;
-      voff = (int64_t(ref.block) * p.v_stride_block + int64_t(ref.offset) * p.v_stride_page +
-              int64_t(w.kv_head) * p.v_stride_head) *
-             kv_bytes;
-    }
-    const int n_chunks = kTileTokens * chunks_per_row;
-    // Every lane runs every iteration (the shuffles need the whole warp); copies are predicated.
-    for (int c0 = 0; c0 < n_chunks; c0 += 32) {
-      const int c = c0 + lane;
-      const int row = min(c, n_chunks - 1) / chunks_per_row, col = c - row * chunks_per_row;
-      const int64_t ko = __shfl_sync(0xffffffffu, koff, row);
-      const int64_t vo = __shfl_sync(0xffffffffu, voff, row);
-      const int ok = __shfl_sync(0xffffffffu, int(ref.valid), row);
-      if (c < n_chunks) {
-        const int bytes = ok ? 16 : 0;  // rows past the split: zeros, masked later
-        sm80::cp_async_16(sm80::smem_addr(sk + row * lay.kv_row_bytes + col * 16),
-                          ok ? k_base + ko + col * 16 : k_base, bytes, policy);
-        sm80::cp_async_16(sm80::smem_addr(sv + row * lay.kv_row_bytes + col * 16),
-                          ok ? v_base + vo + col * 16 : v_base, bytes, policy);
+    unsigned char* const sk = my_stages + stage * lay.stage_bytes;
+    // This lane's row (lane % 16) address; rows past the split read nothing (src size 0) from
+    // a valid address and are masked later.
+    const char* const kp =
+        k_head + (ref.valid ? int64_t(ref.block) * k_sb + int64_t(ref.offset) * k_sp : 0);
+    const char* const vp =
+        v_head + (ref.valid ? int64_t(ref.block) * v_sb + int64_t(ref.offset) * v_sp : 0);
+    const int ts = tile_start(k);
+#pragma unroll
+    for (int i = 0; i < kMaxIters; ++i) {
+      if (32 * i >= n_chunks) break;  // compile-time for the tensor-core instances
+      // Every lane runs the shuffles (the whole warp must); the copies are predicated.
+      const int c = 32 * i + lane;
+      int row, col;
+      if constexpr (kFixedCol) {
+        row = i * (32 / kCpr) + lane / kCpr;
+        col = lane % kCpr;
+      } else {
+        row = min(c, n_chunks - 1) / cpr;
+        col = c - row * cpr;
+      }
+      const char* const kr = reinterpret_cast<const char*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<long long>(kp), row));
+      const char* const vr = same_strides ? kr + kv_delta
+                                          : reinterpret_cast<const char*>(__shfl_sync(
+                                                0xffffffffu, reinterpret_cast<long long>(vp), row));
+      if (kFixedCol || c < n_chunks) {
+        const int bytes = ts + row < w.kv_end ? 16 : 0;
+        const uint32_t dst = sm80::smem_addr(sk + row * lay.kv_row_bytes + col * 16);
+        sm80::cp_async_16(dst, kr + col * 16, bytes, policy);
+        sm80::cp_async_16(dst + kTileTokens * lay.kv_row_bytes, vr + col * 16, bytes, policy);
       }
     }
   };
@@ -446,6 +600,17 @@ __global__ void __launch_bounds__(T::kThreads)
   for (int nt = 0; nt < kNt; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
+  // ---- pipeline prologue (kStages - 1 tiles in flight), then Q ----
+  RowRef ref = lookup(0);
+#pragma unroll
+  for (int k = 0; k < T::kStages - 1; ++k) {
+    issue(k, k, ref);
+    ref = lookup(k + 1);
+    sm80::cp_async_commit();
+  }
+  store_q();
+  __syncthreads();
+
   // Lane address parts for ldmatrix (see sm80::ldmatrix_x4): Q as the A operand (matrices
   // rows 0-7 / 8-15 x dims +0 / +8), K as B of S = Q K^T (tokens 0-7 / 8-15 x dims +0 / +8),
   // V as B of O = P V, transposed (tokens 0-7 / 8-15 x dims +0 / +8).
@@ -454,13 +619,23 @@ __global__ void __launch_bounds__(T::kThreads)
   const int kb_row = (mi >> 1) * 8 + r8, kb_col = (mi & 1) * 8;
   const int vb_row = (mi & 1) * 8 + r8, vb_col = (mi >> 1) * 8;
   const uint32_t q_lane_addr = sm80::smem_addr(smem) + qa_row * lay.q_row_bytes + qa_col * 2;
+  // The in-register fp8 kernel's Q fragments: [k step][lane] 16 bytes.
+  const uint4* const q_frag = reinterpret_cast<const uint4*>(smem) + lane;
 
   constexpr int kQRegs = T::kQInRegisters ? kNt / 2 : 1;
   uint32_t qf[kQRegs][4];
   if constexpr (T::kQInRegisters) {
 #pragma unroll
-    for (int ks = 0; ks < kNt / 2; ++ks) sm80::ldmatrix_x4(qf[ks], q_lane_addr + ks * 32);
+    for (int ks = 0; ks < kNt / 2; ++ks) {
+      if constexpr (T::kRegFp8) {
+        const uint4 v = q_frag[ks * 32];
+        qf[ks][0] = v.x, qf[ks][1] = v.y, qf[ks][2] = v.z, qf[ks][3] = v.w;
+      } else {
+        sm80::ldmatrix_x4(qf[ks], q_lane_addr + ks * 32);
+      }
+    }
   }
+  [[maybe_unused]] const Fp8Widen<T::act> fp8(p.kv_dtype == int(DType::kFp8E5M2));
 
   auto compute = [&](int stage, int ts) {
     const unsigned char* kt = my_stages + stage * lay.stage_bytes;
@@ -475,7 +650,58 @@ __global__ void __launch_bounds__(T::kThreads)
     }
     const bool need_mask = !(ts >= lo_max && ts + kTileTokens <= hi_min);
     float s[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
-    if constexpr (T::kMma) {
+    if constexpr (T::kRegFp8) {
+      // fp8 widened in registers. S = Q K^T: lane (g, t4) takes key 8j + g of n tile j and the
+      // D/4 contiguous head dims t4 * D/4 + [0, D/4): k step ks reduces dims d = t4 * D/4 +
+      // 4 ks + {0..3}, the B pair b0 = dims {d+1, d+3} (bytes 1, 3 of the word), b1 = {d, d+2};
+      // Q's fragments (smem, store_q) use the same order. Sums over a permuted k are the same.
+      constexpr bool kBF16 = T::act == DType::kBF16;
+      constexpr int D = T::head_size, kSteps = D / 16;
+      uint32_t kw[2][D / 16];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        lds_words<D / 4>(kt + (8 * j + g) * row_bytes + t4 * (D / 4), kw[j]);
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+        uint32_t a[4];
+        if constexpr (T::kQInRegisters) {
+          a[0] = qf[ks][0], a[1] = qf[ks][1], a[2] = qf[ks][2], a[3] = qf[ks][3];
+        } else {
+          const uint4 v = q_frag[ks * 32];
+          a[0] = v.x, a[1] = v.y, a[2] = v.z, a[3] = v.w;
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          sm80::mma_16816<kBF16>(s[j], a, fp8.hi(kw[j][ks]), fp8.lo(kw[j][ks]));
+        }
+      }
+      softmax_tile<kNt>(p, s, rows, ts, need_mask, t4, m, l, o);
+      const uint32_t pa[4] = {pack2<T::act>(s[0][0], s[0][1]), pack2<T::act>(s[0][2], s[0][3]),
+                              pack2<T::act>(s[1][0], s[1][1]), pack2<T::act>(s[1][2], s[1][3])};
+      // O += P V: P's k are keys 2t4, 2t4+1 (b0) and 2t4+8, 2t4+9 (b1). Output column n of n
+      // tile nt is head dim n * (D/8) + nt, so lane g's B bytes for every n tile are the D/8
+      // contiguous bytes g * D/8 + [0, D/8) of those four keys; prmt pairs two keys' bytes.
+      // The merge below writes O back in natural order.
+      constexpr int kVBytes = D / 8;
+      uint32_t va[4][kVBytes / 4];
+      const unsigned char* v0 = vt + (2 * t4) * row_bytes + g * kVBytes;
+      lds_words<kVBytes>(v0, va[0]);
+      lds_words<kVBytes>(v0 + row_bytes, va[1]);
+      lds_words<kVBytes>(v0 + 8 * row_bytes, va[2]);
+      lds_words<kVBytes>(v0 + 9 * row_bytes, va[3]);
+#pragma unroll
+      for (int c = 0; c < kVBytes / 4; ++c) {
+        // [a1 a0 b1 b0]: bytes 1, 3 = column 4c of keys a, b; bytes 0, 2 = column 4c + 1.
+        const uint32_t ab01 = sm80::prmt(va[0][c], va[1][c], 0x4501);
+        const uint32_t ab23 = sm80::prmt(va[0][c], va[1][c], 0x6723);
+        const uint32_t cd01 = sm80::prmt(va[2][c], va[3][c], 0x4501);
+        const uint32_t cd23 = sm80::prmt(va[2][c], va[3][c], 0x6723);
+        sm80::mma_16816<kBF16>(o[4 * c], pa, fp8.hi(ab01), fp8.hi(cd01));
+        sm80::mma_16816<kBF16>(o[4 * c + 1], pa, fp8.lo(ab01), fp8.lo(cd01));
+        sm80::mma_16816<kBF16>(o[4 * c + 2], pa, fp8.hi(ab23), fp8.hi(cd23));
+        sm80::mma_16816<kBF16>(o[4 * c + 3], pa, fp8.lo(ab23), fp8.lo(cd23));
+      }
+    } else if constexpr (T::kMma) {
       constexpr bool kBF16 = T::act == DType::kBF16;
       const uint32_t k_addr = sm80::smem_addr(kt) + kb_row * row_bytes + kb_col * 2;
 #pragma unroll
@@ -557,25 +783,16 @@ __global__ void __launch_bounds__(T::kThreads)
     }
   };
 
-  {
-    RowRef ref = lookup(0);
-#pragma unroll
-    for (int k = 0; k < T::kStages - 1; ++k) {
-      issue(k, k, ref);
-      ref = lookup(k + 1);
-      sm80::cp_async_commit();
-    }
-    for (int k = 0; k < n_wt; ++k) {
-      sm80::cp_async_wait<T::kStages - 2>();
-      __syncwarp();  // the tile's copies by every lane are visible; the freed stage is unread
-      const int next = k + T::kStages - 1;
-      issue(next % T::kStages, next, ref);
-      ref = lookup(next + 1);
-      sm80::cp_async_commit();
-      compute(k % T::kStages, tile_start(k));
-    }
-    sm80::cp_async_wait<0>();
+  for (int k = 0; k < n_wt; ++k) {
+    sm80::cp_async_wait<T::kStages - 2>();
+    __syncwarp();  // the tile's copies by every lane are visible; the freed stage is unread
+    const int next = k + T::kStages - 1;
+    issue(next % T::kStages, next, ref);
+    ref = lookup(next + 1);
+    sm80::cp_async_commit();
+    compute(k % T::kStages, tile_start(k));
   }
+  sm80::cp_async_wait<0>();
 
   // ---- merge the warps' partial states through smem (over the stages) ----
 #pragma unroll
@@ -586,12 +803,24 @@ __global__ void __launch_bounds__(T::kThreads)
   __syncthreads();  // every warp is done with its stages
   float* const mo = reinterpret_cast<float*>(smem + lay.merge_offset);  // [warps][kRows][o_row]
   float* const mml = mo + kWarps * kRows * lay.merge_o_row;             // [warps][kRows][m, l]
+  if constexpr (T::kRegFp8) {
+    // Column n of n tile nt is head dim n * kNt + nt (compute); this thread holds n = 2 t4 + {0,1}.
 #pragma unroll
-  for (int nt = 0; nt < kNt; ++nt) {
-    if (nt < nt_active) {
-      float* ra = mo + (warp * kRows + g) * lay.merge_o_row + nt * 8 + 2 * t4;
-      *reinterpret_cast<float2*>(ra) = make_float2(o[nt][0], o[nt][1]);
-      *reinterpret_cast<float2*>(ra + 8 * lay.merge_o_row) = make_float2(o[nt][2], o[nt][3]);
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int row = g + 8 * (c >> 1), col = (2 * t4 + (c & 1)) * kNt + nt;
+        mo[(warp * kRows + row) * lay.merge_o_row + col] = o[nt][c];
+      }
+    }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+      if (nt < nt_active) {
+        float* dst = mo + (warp * kRows + g) * lay.merge_o_row + nt * 8 + 2 * t4;
+        *reinterpret_cast<float2*>(dst) = make_float2(o[nt][0], o[nt][1]);
+        *reinterpret_cast<float2*>(dst + 8 * lay.merge_o_row) = make_float2(o[nt][2], o[nt][3]);
+      }
     }
   }
   if (t4 == 0) {
@@ -641,6 +870,26 @@ __global__ void __launch_bounds__(T::kThreads)
   }
 }
 
+// Launches `kernel(p)` with programmatic stream serialization allowed: its CTAs may be
+// scheduled while the previous kernel of the stream finishes (both call the griddepcontrol
+// pair at their top), which hides the launch gap between the attention and combine kernels
+// and between layers. Graph capture keeps the edge as a programmatic dependency.
+inline void launch_with_pdl(void (*kernel)(DecodeParams), dim3 grid, dim3 block, int smem,
+                            cudaStream_t stream, const DecodeParams& p) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  PAGEDATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  PAGEDATTN_CUDA_CHECK_LAUNCH();
+}
+
 // Raises the kernel's dynamic shared memory limit once per device (benign if two threads race).
 template <class T>
 void prepare_decode(int device) {
@@ -661,8 +910,7 @@ void DecodeOps<T>::launch(const DecodeParams& p, cudaStream_t stream) {
   PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
   prepare_decode<T>(device);
   const int smem = layout_for<T>(p.head_size, p.kv_dtype).total;
-  decode_kernel<T><<<grid, T::kThreads, smem, stream>>>(p);
-  PAGEDATTN_CUDA_CHECK_LAUNCH();
+  launch_with_pdl(decode_kernel<T>, grid, dim3(T::kThreads), smem, stream, p);
 }
 
 template <class T>

@@ -1,6 +1,7 @@
 // Ampere-era instructions that Hopper runs too (cp.async, ldmatrix, mma.sync m16n8k16, L2
-// cache policies), each wrapped once. With arch/sm90/ (wgmma, setmaxnreg, TMA) this is the only
-// place in the tree with inline PTX.
+// cache policies, prmt, packed 16-bit multiplies), each wrapped once, and the two sm_90
+// programmatic-dependent-launch controls. With arch/sm90/ (wgmma, setmaxnreg, TMA) this is the
+// only place in the tree with inline PTX.
 #pragma once
 
 #include <cstdint>
@@ -80,6 +81,38 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+}
+
+/// Byte permute: result byte i = byte (sel >> 4i) & 7 of {a (bytes 0-3), b (bytes 4-7)}.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+/// Two 16-bit products a * b (round to nearest, subnormal inputs and results kept: no .ftz),
+/// bf16x2 when kBF16, else f16x2.
+template <bool kBF16>
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (kBF16) {
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  } else {
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  }
+  return d;
+}
+
+/// Programmatic dependent launch (sm_90): blocks until the grids this one depends on have
+/// completed and their memory is visible; a no-op for a grid launched without the attribute.
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+/// Lets the next grid of the stream (launched with the programmatic-serialization attribute)
+/// be scheduled before this one ends; its griddepcontrol.wait still waits for our completion.
+__device__ __forceinline__ void launch_dependent_grids() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
 }  // namespace pagedattn::cuda::sm80
