@@ -38,6 +38,21 @@ if [ "${#wanted[@]}" -gt 0 ]; then
   as_root apt-get install -y -qq --no-install-recommends "${resolved[@]}" >/dev/null
 fi
 
+# Python: scripts/test.sh builds the package in a venv, which needs venv/ensurepip and the
+# Python headers. Debian's python3 has them through python3-venv and python3-dev (pinned like
+# the packages above); a python3 of its own (pyenv, conda) brings them itself.
+if ! python3 - <<'PY' 2>/dev/null
+import ensurepip, os, sysconfig, venv  # noqa: F401
+assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+PY
+then
+  echo "setup: installing python3-venv and python3-dev for the Python package"
+  export DEBIAN_FRONTEND=noninteractive
+  as_root apt-get update -qq
+  as_root apt-get install -y -qq --no-install-recommends python3-venv=3.11.2-1+b1 \
+    python3-dev=3.11.2-1+b1 >/dev/null
+fi
+
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "setup: CUDA toolkit found; CUDA code will be compiled"
 else

@@ -1,9 +1,24 @@
 #!/usr/bin/env bash
 # Every test on a fresh machine: install the pinned dependencies, build Release (compiling the
 # CUDA code when nvcc is found) and run all tests; then build with AddressSanitizer and UBSan
-# (CUDA off) and run the tests again there.
+# (CUDA off) and run the tests again there; then build the Python package and run its tests.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# The Python package (`./scripts/test.sh --python-only` runs just this part): pinned build and
+# test dependencies from PyPI in a venv under build/, the extension built CPU-only (-j2) with
+# `pip install .`, then pytest (the torch / CUDA tests skip without torch and a GPU).
+if [ "${1:-}" = "--python-only" ]; then
+  venv=build/py-venv
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+    nanobind==3.1.0 scikit-build-core==1.1.2 numpy==2.4.6 pytest==9.2.0
+  CMAKE_BUILD_PARALLEL_LEVEL=2 "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+    --no-build-isolation --config-settings=cmake.define.PAGEDATTN_ENABLE_CUDA=OFF .
+  OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/python
+  exit 0
+fi
+
 ./scripts/setup.sh
 start=$(date +%s)
 cmake --preset release
@@ -12,4 +27,5 @@ ctest --preset release -j2
 cmake --preset asan
 cmake --build --preset asan
 ctest --preset asan -j2
+./scripts/test.sh --python-only
 echo "test.sh: all tests passed in $(( $(date +%s) - start )) s"

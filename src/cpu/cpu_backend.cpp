@@ -195,6 +195,7 @@ class CpuBackend final : public Backend {
 };
 
 void CpuBackend::merge_states(const MergeArgs& a) const {
+  check_merge_args(a);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t n = a.output.size(0), heads = a.output.size(1), d = a.output.size(2);
   auto lse_at = [](const TensorView& v, int64_t h, int64_t t) {

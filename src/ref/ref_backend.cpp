@@ -42,7 +42,10 @@ class RefBackend final : public Backend {
   std::unique_ptr<AttentionImpl> make_impl(const AttentionConfig& config, Device) const override {
     return std::make_unique<RefImpl>(config, precision_);
   }
-  void merge_states(const MergeArgs& args) const override { ref::merge_states(args); }
+  void merge_states(const MergeArgs& args) const override {
+    check_merge_args(args);
+    ref::merge_states(args);
+  }
   float amax(const TensorView& x) const override { return ref::amax(x); }
 
  private:

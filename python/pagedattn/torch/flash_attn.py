@@ -1,0 +1,177 @@
+"""Drop-in replacements for vLLM's FlashAttention entry points, over the pagedattn ops.
+
+``flash_attn_varlen_func`` has the signature of vLLM's ``vllm_flash_attn.flash_attn_varlen_func``
+and ``reshape_and_cache_flash`` that of ``vllm._custom_ops.reshape_and_cache_flash``; the
+differences are listed in docs/python.md ("Drop-in functions").
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from pagedattn import _C
+from pagedattn.torch import _ops
+
+Number = Union[float, int]
+
+
+def _host_floats(x: Any, name: str) -> Optional[List[float]]:
+    """None, a list of numbers, or a tensor (read on the host: a device sync) -> list."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 2:  # FlashAttention also takes [batch, nheads]: pagedattn has per-head
+            rows = x.float().cpu()
+            if not bool((rows == rows[0]).all()):
+                raise _C.NotSupported(f"{name} differs between requests; pagedattn takes one "
+                                      f"value per head")
+            x = rows[0]
+        return [float(v) for v in x.detach().float().cpu().tolist()]
+    return [float(v) for v in x]
+
+
+def _host_scale(x: Any, name: str) -> float:
+    """A scale given as a number or a one-element (or broadcast) tensor."""
+    if x is None:
+        return 1.0
+    if isinstance(x, torch.Tensor):
+        flat = x.detach().reshape(-1)
+        if flat.numel() == 0:
+            raise _C.InvalidArgument(f"{name} is empty")
+        return float(flat[0])  # per-tensor scales only (vLLM expands one scalar)
+    return float(x)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    max_seqlen_q: int,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_k: int,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    q_v: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Optional[Sequence[int]] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Union[torch.Tensor, Sequence[Number], None] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    return_softmax_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+    scheduler_metadata: Optional[torch.Tensor] = None,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Union[torch.Tensor, float, None] = None,
+    v_descale: Union[torch.Tensor, float, None] = None,
+    num_splits: int = 0,
+    fa_version: Optional[int] = None,
+    s_aux: Union[torch.Tensor, Sequence[Number], None] = None,
+    *,
+    kv_cache_dtype: str = "auto",
+    cu_seqlens_q_cpu: Optional[torch.Tensor] = None,
+    seqused_k_cpu: Optional[torch.Tensor] = None,
+    backend: str = "",
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Varlen attention, paged (``block_table`` given) or over packed K/V.
+
+    q ``[total_q, num_heads, head_size]``; with ``block_table`` (int32 ``[batch, max_blocks]``)
+    k/v are caches ``[num_blocks, block_size, num_kv_heads, head_size]`` (vLLM's FA layout,
+    ``kv_cache.unbind(0)`` of ``[2, num_blocks, ...]``; any strides, so HND views work too)
+    and ``seqused_k`` int32 ``[batch]`` gives each request's keys; without it k/v are packed
+    ``[total_k, num_kv_heads, head_size]`` delimited by ``cu_seqlens_k``.
+
+    ``causal`` is bottom-right aligned (a query at position c_r + i sees keys <= c_r + i);
+    ``window_size = (left, right)`` as in FlashAttention: ``(W - 1, 0)`` is a sliding window
+    of W tokens. ``s_aux`` are per-head attention sinks (vLLM's FA3 fork). An fp8 cache is
+    read through ``kv_cache_dtype`` (or its torch float8 dtype) with ``k_descale`` /
+    ``v_descale`` as the per-tensor k/v scales.
+
+    pagedattn extensions (keyword-only): ``cu_seqlens_q_cpu`` / ``seqused_k_cpu`` host copies
+    that let the CUDA backend plan KV splits, ``backend`` to force one by name.
+
+    Returns ``out`` (``[total_q, num_heads, head_size]``), or ``(out, softmax_lse)`` with
+    ``softmax_lse`` float32 ``[num_heads, total_q]`` when ``return_softmax_lse``.
+    """
+    if dropout_p != 0.0:
+        raise _C.NotSupported(f"dropout_p ({dropout_p}) must be 0: pagedattn is inference only")
+    if return_attn_probs:
+        raise _C.NotSupported("return_attn_probs is not supported (inference only)")
+    if q_v is not None or q_descale is not None:
+        raise _C.NotSupported("q_v and q_descale (fp8 queries) are not supported")
+    if q.dim() != 3:
+        raise _C.InvalidArgument(
+            f"q must be [total_q, num_heads, head_size]; got shape {list(q.shape)}")
+    attn_type, sliding_window = _ops.window_to_sliding_window(
+        tuple(window_size) if window_size is not None else (-1, -1), causal)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    if block_table is None:
+        # Packed K/V as a cache of one-token blocks: block j of request r is row
+        # cu_seqlens_k[r] + j.
+        if cu_seqlens_k is None:
+            raise _C.InvalidArgument("cu_seqlens_k is required without a block_table")
+        if k.dim() != 3:
+            raise _C.InvalidArgument(
+                f"k must be [total_k, num_kv_heads, head_size] without a block_table; got "
+                f"shape {list(k.shape)}")
+        starts = cu_seqlens_k[:-1].to(torch.int32)
+        block_table = starts[:, None] + torch.arange(
+            max(int(max_seqlen_k), 1), dtype=torch.int32, device=k.device)[None, :]
+        block_table = block_table.clamp_(max=max(k.shape[0] - 1, 0))
+        if seqused_k is None:
+            seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+        k, v = k.unsqueeze(1), v.unsqueeze(1)
+    elif seqused_k is None:
+        if cu_seqlens_k is None:
+            raise _C.InvalidArgument("seqused_k (or cu_seqlens_k) is required")
+        seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    torch.ops.pagedattn.attention(
+        q, None, None, k, v, cu_seqlens_q, seqused_k, block_table, out, lse,
+        int(max_seqlen_q), int(max_seqlen_k), -1, attn_type, scale, sliding_window,
+        float(softcap or 0.0), _host_floats(alibi_slopes, "alibi_slopes"),
+        _host_floats(s_aux, "s_aux"), kv_cache_dtype, _host_scale(k_descale, "k_descale"),
+        _host_scale(v_descale, "v_descale"), cu_seqlens_q_cpu, seqused_k_cpu, backend)
+    return (out, lse) if return_softmax_lse else out
+
+
+def reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: Union[torch.Tensor, float],
+    v_scale: Union[torch.Tensor, float],
+) -> None:
+    """vLLM's ``reshape_and_cache_flash``: key/value ``[num_tokens, num_kv_heads, head_size]``
+    into key_cache/value_cache ``[num_blocks, block_size, num_kv_heads, head_size]`` (NHD or HND
+    strides) at ``slot_mapping`` (int64; -1 skips). Writes ``len(slot_mapping)`` tokens.
+
+    ``k_scale``/``v_scale`` may be floats or one-element tensors; a CUDA tensor is read on the
+    host (a sync, and not capturable in a CUDA graph): pass floats there.
+    """
+    torch.ops.pagedattn.write_kv(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                 _host_scale(k_scale, "k_scale"), _host_scale(v_scale, "v_scale"))
+
+
+def merge_attn_states(
+    output: torch.Tensor,
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    output_lse: Optional[torch.Tensor] = None,
+) -> None:
+    """vLLM's ``merge_attn_states`` (spec 4.12): outputs ``[num_tokens, num_heads, head_size]``,
+    LSEs float32 ``[num_heads, num_tokens]``; writes ``output`` (and ``output_lse``)."""
+    torch.ops.pagedattn.merge_attn_states(output, prefix_output, prefix_lse, suffix_output,
+                                          suffix_lse, output_lse)
