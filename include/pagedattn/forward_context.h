@@ -16,6 +16,7 @@
 namespace pagedattn {
 
 class Attention;
+class KVConnector;
 
 /// An explicit object (no globals) that vLLM splits between the static forward context (layers
 /// by name, filled at construction) and the per-step forward context (metadata, virtual engine).
@@ -55,6 +56,15 @@ class ForwardContext {
   /// Scratch memory on `device` of at least `bytes`, kept across steps.
   Workspace workspace(Device device, size_t bytes);
 
+  /// The KV connector whose worker-side hooks the layers call (not owned; nullptr = none, the
+  /// default). Set it between steps. A step calls it only when it holds metadata at begin_step:
+  /// begin_step calls start_load_kv, end_step wait_for_save (spec 8.1).
+  void set_kv_connector(KVConnector* connector);
+  KVConnector* kv_connector() const { return kv_connector_; }
+  /// The connector when this step calls its hooks, else nullptr (a profiling step, no
+  /// connector, or no metadata bound): without a connector a layer pays this one check.
+  KVConnector* active_kv_connector() const { return connector_active_ ? kv_connector_ : nullptr; }
+
  private:
   friend class Attention;
   void register_layer(Attention* layer);  // throws on duplicate names
@@ -70,6 +80,8 @@ class ForwardContext {
   std::map<PlanKey, std::unique_ptr<Plan>> plans_;
   std::set<std::tuple<int, int, int64_t, int>> validated_;  // (group, type, blocks, block size)
   std::map<std::pair<int, int>, Tensor> workspaces_;        // (device type, index) -> buffer
+  KVConnector* kv_connector_ = nullptr;
+  bool connector_active_ = false;  // this step calls kv_connector_'s hooks
 };
 
 }  // namespace pagedattn

@@ -5,6 +5,7 @@
 #include "pagedattn/backend.h"
 #include "pagedattn/case_file.h"
 #include "pagedattn/config.h"
+#include "pagedattn/connector.h"
 #include "pagedattn/device.h"
 #include "pagedattn/dtype.h"
 #include "pagedattn/error.h"

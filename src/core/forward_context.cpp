@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "pagedattn/connector.h"
 #include "pagedattn/error.h"
 #include "pagedattn/layer.h"
 
@@ -51,14 +52,29 @@ void ForwardContext::begin_step(std::vector<const AttentionMetadata*> metadata_p
   in_step_ = true;
   plans_.clear();
   validated_.clear();
+  // Spec 8.1: the connector starts this step's loads before the first layer runs.
+  connector_active_ = kv_connector_ != nullptr && kv_connector_->has_connector_metadata();
+  if (connector_active_) kv_connector_->start_load_kv(*this);
 }
 
 void ForwardContext::begin_profile_step(int virtual_engine) {
+  KVConnector* const connector = kv_connector_;
+  kv_connector_ = nullptr;  // a profiling step moves no KV
   begin_step({}, virtual_engine);
+  kv_connector_ = connector;
   profiling_ = true;
 }
 
+void ForwardContext::set_kv_connector(KVConnector* connector) {
+  require(!in_step_, "set_kv_connector: called inside a step; set the connector between steps");
+  kv_connector_ = connector;
+}
+
 void ForwardContext::end_step() {
+  if (connector_active_) {
+    connector_active_ = false;
+    kv_connector_->wait_for_save();  // the caches may be overwritten after the step
+  }
   in_step_ = false;
   profiling_ = false;
   metadata_.clear();

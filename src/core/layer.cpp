@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <sstream>
 
+#include "pagedattn/connector.h"
 #include "pagedattn/error.h"
 
 namespace pagedattn {
@@ -279,6 +280,11 @@ void Attention::forward(const TensorView& query_in, const TensorView& key_in,
   if (context_.first_use(group, config_.attn_type, geometry)) {
     validate_metadata(*md, config_.attn_type, geometry);
   }
+  // Spec 1.11: a configured KV connector holding this step's metadata loads this layer's
+  // blocks before its attention and saves them after. KV-sharing consumers own no cache.
+  KVConnector* const connector =
+      cached && !kv_sharing_target_ ? context_.active_kv_connector() : nullptr;
+  if (connector) connector->wait_for_layer_load(name_);
   if (cached && !kv_sharing_target_ && key.defined()) {
     // Write first, then read: every key, the new ones included, comes from the cache.
     WriteKVArgs w{key, value, md->slot_mapping, cache, kv_scales(), {}};
@@ -292,7 +298,8 @@ void Attention::forward(const TensorView& query_in, const TensorView& key_in,
     f.value = value;
   }
   f.kv_cache = cache;
-  f.scales = kv_scales();
+  // The cache holds values stored with its owner's scales (a KV-sharing consumer reads them).
+  f.scales = cache_owner().kv_scales();
   f.metadata = md;
   f.output = output;
   f.lse = lse;
@@ -300,6 +307,7 @@ void Attention::forward(const TensorView& query_in, const TensorView& key_in,
   f.workspace = context_.workspace(query.device, f.plan->workspace_bytes());
   check_forward_args(config_, f, /*check_metadata=*/false);
   impl_->forward(f);
+  if (connector) connector->save_kv_layer(name_, cache, *md, kv_scales());
 }
 
 Tensor Attention::forward(const TensorView& query, const TensorView& key, const TensorView& value) {

@@ -258,6 +258,32 @@ TEST_F(LayerForward, KvSharingConsumerReadsButNeverWrites) {
     EXPECT_EQ(out.data_as<float>()[i], target_out.data_as<float>()[i]);
 }
 
+TEST(KVSharing, ConsumerReadsWithTheOwnersFp8Scales) {
+  ForwardContext ctx;
+  AttentionOptions o = options("model.layers.0.attn");
+  o.cache_config->cache_dtype = KVCacheDType::kFp8E4M3;
+  o.has_checkpoint_kv_scales = true;
+  Attention owner(ctx, o);
+  owner.load_kv_scales(0.5f, 0.25f, 0.125f);
+  o.prefix = "model.layers.1.attn";
+  o.kv_sharing_target_layer_name = "model.layers.0.attn";
+  Attention consumer(ctx, o);  // its own scales stay at 1.0
+  KVCache cache = KVCache::allocate(owner.config(), 4);
+  owner.bind_kv_cache({cache.view()});
+  StepMetadata s = MetadataBuilder(4).add({0, 3, {2}}).build();
+  AttentionMetadata md = s.view();
+  const auto q = random_values(3 * 32, 11), k = random_values(3 * 16, 12),
+             v = random_values(3 * 16, 13);
+  auto view = [](const std::vector<float>& x, int64_t cols) {
+    return TensorView::contiguous(const_cast<float*>(x.data()), DType::kF32, {3, cols});
+  };
+  ctx.begin_step({&md});
+  Tensor a = owner.forward(view(q, 32), view(k, 16), view(v, 16));
+  Tensor b = consumer.forward(view(q, 32), TensorView{}, TensorView{});
+  ctx.end_step();
+  for (int i = 0; i < 3 * 32; ++i) EXPECT_EQ(a.data_as<float>()[i], b.data_as<float>()[i]) << i;
+}
+
 TEST_F(LayerForward, BadQueryShapeNamesTheArgument) {
   ctx_.begin_step({&md_});
   std::vector<float> bad(8 * 30);

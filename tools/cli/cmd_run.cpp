@@ -11,6 +11,7 @@
 
 #include "cli.h"
 #include "pagedattn/config.h"
+#include "pagedattn/connector.h"
 #include "pagedattn/device.h"
 #include "pagedattn/dtype.h"
 #include "pagedattn/error.h"
@@ -28,6 +29,7 @@ struct RunOptions {
   std::string kv_cache_layout = "NHD";
   std::string kv_cache_memory = "auto";
   std::string device = "cpu";
+  std::string role = "both";
   int64_t max_model_len = 0;
   bool no_prefix_caching = false;
   bool no_bandwidth = false;
@@ -76,6 +78,7 @@ void run(RunOptions& o) {
   if (o.max_model_len != 0) s.max_model_len = o.max_model_len;
   s.enable_prefix_caching = !o.no_prefix_caching;
   s.measure_bandwidth = !o.no_bandwidth;
+  s.role = parse_kv_transfer_role(o.role);
   s.log = &std::cerr;
   const bool progress = !o.quiet && isatty(fileno(stderr));
   if (progress) s.on_progress = draw_progress;
@@ -152,6 +155,18 @@ void add_run_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--failure-dir", s.failure_dir, "where failing steps are saved as case files")
       ->capture_default_str();
+  cmd->add_option("--connector", s.kv_connector,
+                  "KV connector: storage:/dir or redis://[:password@]host:port[/db] (options "
+                  "after '?', docs/connector.md); prompts' KV blocks are saved to and loaded "
+                  "from it");
+  cmd->add_option("--role", o->role,
+                  "with --connector: prefill (compute prompts and their first token, save their "
+                  "KV), decode (load what the store holds, generate) or both")
+      ->capture_default_str();
+  cmd->add_option("--digest", s.digest_file,
+                  "write a digest of every token-producing output row of every layer to this "
+                  "file (compare runs with cmp; use --backend ref, whose rows do not depend on "
+                  "the batch)");
   cmd->add_flag("--no-bandwidth", o->no_bandwidth, "skip measuring the machine's read bandwidth");
   cmd->add_flag("--json", o->json, "print the report as JSON on stdout");
   cmd->add_flag("--quiet,-q", o->quiet, "no progress bar");

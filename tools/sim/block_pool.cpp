@@ -6,23 +6,6 @@ namespace pagedattn::sim {
 
 using detail::require;
 
-uint64_t hash_block_tokens(uint64_t parent_hash, std::span<const int32_t> token_ids) {
-  // FNV-1a over the parent hash and the token ids, then a final avalanche (splitmix64).
-  uint64_t h = 0xcbf29ce484222325ull;
-  auto mix = [&h](uint64_t word) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= (word >> (8 * i)) & 0xffu;
-      h *= 0x100000001b3ull;
-    }
-  };
-  mix(parent_hash);
-  mix(token_ids.size());
-  for (const int32_t t : token_ids) mix(uint64_t(uint32_t(t)));
-  h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
-  h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
-  return h ^ (h >> 31);
-}
-
 BlockPool::BlockPool(int64_t num_blocks) {
   require(num_blocks >= 2, "BlockPool: num_blocks (", num_blocks,
           ") must be >= 2 (block 0 is the null block)");

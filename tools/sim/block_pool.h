@@ -11,13 +11,16 @@
 #include <utility>
 #include <vector>
 
+#include "pagedattn/connector.h"
+
 namespace pagedattn::sim {
 
 /// Hash of one full block: (parent block's hash, the block's token ids). A block's hash thus
 /// names its whole prefix, as in vLLM's prefix caching. The first block's parent is
-/// kNoParentHash.
-uint64_t hash_block_tokens(uint64_t parent_hash, std::span<const int32_t> token_ids);
-inline constexpr uint64_t kNoParentHash = 0x6a09e667f3bcc909ull;
+/// kNoParentHash. The library's function, so that the KV connectors key their stores with the
+/// same hashes.
+using pagedattn::hash_block_tokens;
+using pagedattn::kNoParentHash;
 
 /// The physical block id that marks "no data here" in a block table (spec 3.7).
 inline constexpr int32_t kNullBlock = 0;

@@ -123,6 +123,28 @@ std::string format_report(const SimReport& r) {
                            fixed(percent(double(r.prefix_hit_tokens), double(r.lookup_tokens)), 1) +
                            "%)");
   line("preemptions", std::to_string(r.preemptions));
+  if (!r.kv_connector.empty()) {
+    const KVConnectorStats& c = r.connector;
+    auto n = [](int64_t v) { return std::to_string(v); };
+    line("kv connector", r.kv_connector + " (role " + r.role + ")");
+    line("kv lookups", n(c.lookup_blocks) + " blocks asked in " + n(c.lookups) + " lookups: " +
+                           n(c.hit_blocks) + " hit, " + n(c.miss_blocks) + " miss (" +
+                           n(c.lookup_errors) + " lookups could not reach the store); " +
+                           n(r.external_hit_tokens) + " prompt tokens loaded, not computed");
+    line("kv loads", n(c.loaded_blocks) + " blocks loaded (" +
+                         format_bytes(double(c.loaded_bytes)) + "), " + n(c.rejected_blocks) +
+                         " rejected (torn, truncated or mismatched), " + n(c.missing_blocks) +
+                         " gone, " + n(c.unavailable_blocks) + " unreachable; " +
+                         n(r.load_error_requests) + " request steps redone (" +
+                         n(r.load_error_tokens) + " tokens)");
+    line("kv saves", n(c.saved_blocks) + " blocks saved (" + format_bytes(double(c.saved_bytes)) +
+                         ") of " + n(c.save_scheduled) + " scheduled, " + n(c.save_errors) +
+                         " failed, " + n(c.save_dropped) + " dropped, " + n(c.save_not_held) +
+                         " not held");
+  }
+  if (!r.digest_file.empty()) {
+    line("digest", std::to_string(r.digest_rows) + " rows in " + r.digest_file);
+  }
   std::string v;
   if (r.verify_every == 0) {
     v = "off";
@@ -216,6 +238,35 @@ std::string report_json(const SimReport& r) {
       {"lookup_tokens", r.lookup_tokens},
       {"hit_rate",
        r.lookup_tokens > 0 ? double(r.prefix_hit_tokens) / double(r.lookup_tokens) : 0.0}};
+  if (!r.kv_connector.empty()) {
+    const KVConnectorStats& c = r.connector;
+    j["kv_connector"] = {{"spec", r.kv_connector},
+                         {"role", r.role},
+                         {"lookups", c.lookups},
+                         {"lookup_blocks", c.lookup_blocks},
+                         {"hit_blocks", c.hit_blocks},
+                         {"miss_blocks", c.miss_blocks},
+                         {"lookup_errors", c.lookup_errors},
+                         {"external_hit_tokens", r.external_hit_tokens},
+                         {"loaded_blocks", c.loaded_blocks},
+                         {"loaded_bytes", c.loaded_bytes},
+                         {"rejected_blocks", c.rejected_blocks},
+                         {"missing_blocks", c.missing_blocks},
+                         {"unavailable_blocks", c.unavailable_blocks},
+                         {"load_error_requests", r.load_error_requests},
+                         {"load_error_tokens", r.load_error_tokens},
+                         {"save_scheduled", c.save_scheduled},
+                         {"saved_blocks", c.saved_blocks},
+                         {"saved_bytes", c.saved_bytes},
+                         {"save_errors", c.save_errors},
+                         {"save_dropped", c.save_dropped},
+                         {"save_not_held", c.save_not_held},
+                         {"load_seconds", c.load_seconds},
+                         {"save_seconds", c.save_seconds}};
+  }
+  if (!r.digest_file.empty()) {
+    j["digest"] = {{"file", r.digest_file}, {"rows", r.digest_rows}};
+  }
   json worst;
   if (r.worst.step >= 0) {
     worst = {{"step", r.worst.step},

@@ -1,6 +1,7 @@
 #include "sim/scheduler.h"
 
 #include <algorithm>
+#include <climits>
 
 #include "pagedattn/error.h"
 
@@ -64,14 +65,7 @@ void Scheduler::add_request(int id, std::vector<int32_t> prompt, int max_output_
 }
 
 void Scheduler::extend_hashes(Request& r) const {
-  const int bs = config_.block_size;
-  const size_t full = size_t(r.num_tokens() / bs);
-  while (r.block_hashes.size() < full) {
-    const size_t j = r.block_hashes.size();
-    const uint64_t parent = j == 0 ? kNoParentHash : r.block_hashes[j - 1];
-    r.block_hashes.push_back(hash_block_tokens(
-        parent, std::span<const int32_t>(r.token_ids.data() + j * size_t(bs), size_t(bs))));
-  }
+  extend_block_hashes(r.block_hashes, r.token_ids, config_.block_size);
 }
 
 Scheduler::PrefixHit Scheduler::find_prefix_hit(Request& r) const {
@@ -177,8 +171,44 @@ void Scheduler::preempt(int id) {
   waiting_.push_front(id);
 }
 
+KVConnectorRequest Scheduler::connector_request(const Request& r) const {
+  KVConnectorRequest v;
+  v.request_id = r.id;
+  v.token_ids = r.token_ids;
+  v.num_prompt_tokens = r.prompt_len;
+  v.num_computed_tokens = r.num_computed_tokens;
+  v.block_hashes = r.block_hashes;
+  return v;
+}
+
+KVConnectorSchedulerOutput Scheduler::connector_output(const SchedulerOutput& output) const {
+  KVConnectorSchedulerOutput c;
+  for (const ScheduledRequest& s : output.requests) {
+    KVConnectorScheduledRequest k;
+    k.request = connector_request(request(s.request_id));
+    k.block_ids = s.block_ids;
+    k.num_computed_tokens = s.context_len;
+    k.num_new_tokens = s.num_new_tokens;
+    c.requests.push_back(k);
+  }
+  return c;
+}
+
+bool Scheduler::holds_any(const ScheduledRequest& request,
+                          std::span<const int32_t> invalid_block_ids) {
+  for (const std::vector<int32_t>& ids : request.block_ids) {
+    for (const int32_t b : ids) {
+      if (b != kNullBlock && std::find(invalid_block_ids.begin(), invalid_block_ids.end(), b) !=
+                                 invalid_block_ids.end()) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
 void Scheduler::record(const Request& r, int num_new_tokens, int prefix_hit_tokens,
-                       SchedulerOutput& out) {
+                       int external_tokens, SchedulerOutput& out) {
   ScheduledRequest s;
   s.request_id = r.id;
   s.context_len = r.num_computed_tokens;
@@ -186,6 +216,7 @@ void Scheduler::record(const Request& r, int num_new_tokens, int prefix_hit_toke
   s.is_decode = num_new_tokens == 1 && r.num_output_tokens() >= 1 &&
                 r.num_computed_tokens + 1 == r.num_tokens();
   s.prefix_hit_tokens = prefix_hit_tokens;
+  s.external_hit_tokens = external_tokens;
   s.block_ids = r.block_ids;
   (s.is_decode ? out.num_decode_tokens : out.num_prefill_tokens) += num_new_tokens;
   if (!s.is_decode && r.num_computed_tokens + num_new_tokens < r.prompt_len) {
@@ -211,7 +242,7 @@ bool Scheduler::try_schedule_running(int id, int num_new_tokens, std::set<int>& 
     if (victim == id) return false;
   }
   scheduled.insert(id);
-  record(r, num_new_tokens, 0, out);
+  record(r, num_new_tokens, 0, 0, out);
   return true;
 }
 
@@ -219,7 +250,19 @@ bool Scheduler::try_admit(int id, int& budget, SchedulerOutput& out) {
   Request& r = get(id);
   const PrefixHit hit = find_prefix_hit(r);
   const int hit_tokens = hit.num_blocks * config_.block_size;
-  const int num_new = std::min(r.num_tokens() - hit_tokens, budget);
+  // Tokens past the local hit that the KV connector's store holds: loaded during the step.
+  KVConnectorRequest view = connector_request(r);
+  view.num_computed_tokens = hit_tokens;
+  int external = 0;
+  if (connector_) {
+    external = connector_->get_num_new_matched_tokens(view, hit_tokens).num_tokens.value_or(0);
+    require(external >= 0 && external % config_.block_size == 0 &&
+                hit_tokens + external <= r.num_tokens() - 1,
+            "Scheduler: the KV connector offers ", external, " tokens to request ", id,
+            " after a hit of ", hit_tokens, " of ", r.num_tokens(),
+            "; expected whole blocks leaving one token to compute");
+  }
+  const int num_new = std::min(r.num_tokens() - hit_tokens - external, budget);
   // Blocks the request takes from the free queue: revived cached blocks and fresh ones.
   std::set<int32_t> revived;
   for (const std::vector<int32_t>& ids : hit.block_ids) {
@@ -230,7 +273,7 @@ bool Scheduler::try_admit(int id, int& budget, SchedulerOutput& out) {
   int64_t fresh = 0;
   for (const std::vector<int32_t>& ids : hit.block_ids) {
     fresh += std::max<int64_t>(
-        0, ceil_div(hit_tokens + num_new, config_.block_size) - int64_t(ids.size()));
+        0, ceil_div(hit_tokens + external + num_new, config_.block_size) - int64_t(ids.size()));
   }
   if (int64_t(revived.size()) + fresh > pool_.num_free_blocks()) return false;
   for (size_t g = 0; g < hit.block_ids.size(); ++g) {
@@ -240,15 +283,17 @@ bool Scheduler::try_admit(int id, int& budget, SchedulerOutput& out) {
     r.block_ids[g] = hit.block_ids[g];
     r.num_registered_blocks[g] = hit.num_blocks;
   }
-  r.num_computed_tokens = hit_tokens;
+  r.num_computed_tokens = hit_tokens + external;
   const bool ok = allocate(r, num_new);
   require(ok, "Scheduler: request ", id, " could not allocate the blocks it was admitted with");
+  if (connector_) connector_->update_state_after_alloc(view, r.block_ids, external);
   waiting_.pop_front();
   running_.push_back(id);
   ++stats_.admissions;
   stats_.lookup_tokens += r.num_tokens();
   stats_.prefix_hit_tokens += hit_tokens;
-  record(r, num_new, hit_tokens, out);
+  stats_.external_hit_tokens += external;
+  record(r, num_new, hit_tokens, external, out);
   budget -= num_new;
   return true;
 }
@@ -287,13 +332,31 @@ SchedulerOutput Scheduler::schedule() {
 }
 
 std::vector<int> Scheduler::update(const SchedulerOutput& output,
-                                   const std::function<int32_t(const Request&)>& sample) {
+                                   const std::function<int32_t(const Request&)>& sample,
+                                   std::span<const int32_t> invalid_block_ids) {
   std::vector<int> finished;
   const int bs = config_.block_size;
   for (const ScheduledRequest& s : output.requests) {
     Request& r = get(s.request_id);
     require(r.num_computed_tokens == s.context_len, "Scheduler::update: request ", r.id, " has ",
             r.num_computed_tokens, " computed tokens; the step assumed ", s.context_len);
+    if (!invalid_block_ids.empty() && holds_any(s, invalid_block_ids)) {
+      // A block the connector was to load holds no valid data: recompute from the first one.
+      int first = INT_MAX;
+      for (const std::vector<int32_t>& ids : s.block_ids) {
+        for (size_t j = 0; j < ids.size(); ++j) {
+          if (ids[j] != kNullBlock && std::find(invalid_block_ids.begin(), invalid_block_ids.end(),
+                                                ids[j]) != invalid_block_ids.end()) {
+            first = std::min(first, int(j));
+          }
+        }
+      }
+      const int back_to = std::min(r.num_computed_tokens, first * bs);
+      ++stats_.load_error_requests;
+      stats_.load_error_tokens += s.context_len + s.num_new_tokens - back_to;
+      r.num_computed_tokens = back_to;
+      continue;
+    }
     r.num_computed_tokens += s.num_new_tokens;
     if (config_.enable_prefix_caching) {
       extend_hashes(r);
@@ -309,6 +372,7 @@ std::vector<int> Scheduler::update(const SchedulerOutput& output,
     if (r.num_computed_tokens == r.num_tokens()) {
       r.token_ids.push_back(sample(r));
       if (r.num_output_tokens() >= r.max_output_len) {
+        if (connector_) connector_->request_finished(connector_request(r), r.block_ids);
         finish(r);
         r.finished = true;
         finished.push_back(r.id);

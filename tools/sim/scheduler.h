@@ -9,8 +9,10 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <span>
 #include <vector>
 
+#include "pagedattn/connector.h"
 #include "sim/block_pool.h"
 
 namespace pagedattn::sim {
@@ -55,6 +57,9 @@ struct ScheduledRequest {
   int num_new_tokens = 0;     ///< query tokens this step
   bool is_decode = false;     ///< one new token after at least one generated token
   int prefix_hit_tokens = 0;  ///< tokens found in the prefix cache when admitted this step
+  /// Tokens after the prefix hit that the KV connector loads during this step (counted in
+  /// context_len: the step's attention reads them).
+  int external_hit_tokens = 0;
   std::vector<std::vector<int32_t>> block_ids;  ///< [group] the request's block table rows
 };
 
@@ -76,6 +81,9 @@ struct SchedulerStats {
   int64_t window_blocks_released = 0;  ///< blocks freed because they left a sliding window
   int64_t partial_prefill_chunks = 0;  ///< prefill chunks that left part of the prompt for later
   int64_t peak_blocks_used = 0;        ///< most blocks in use after any schedule()
+  int64_t external_hit_tokens = 0;     ///< tokens of admitted requests the connector loaded
+  int64_t load_error_requests = 0;     ///< request steps undone because a load failed
+  int64_t load_error_tokens = 0;       ///< computed tokens those undone steps gave back
 };
 
 /// Continuous batching, one step at a time: schedule(), run the step, update().
@@ -95,6 +103,15 @@ class Scheduler {
   /// A scheduler over a pool of `num_blocks` blocks (block 0 is the null block).
   Scheduler(const SchedulerConfig& config, int64_t num_blocks);
 
+  /// The scheduler-side KV connector (not owned; nullptr = none). When set, an admitted
+  /// request asks it how many tokens past its prefix-cache hit the external store holds; those
+  /// are allocated and counted as computed (the worker loads them in the step), and the
+  /// connector hears of every allocation and finished request.
+  void set_kv_connector(KVConnector* connector) { connector_ = connector; }
+  /// The connector's view of a step's requests (spans into this scheduler's requests, valid
+  /// until the next schedule() or update()).
+  KVConnectorSchedulerOutput connector_output(const SchedulerOutput& output) const;
+
   /// A request arriving now (joins the waiting queue). Throws InvalidArgument for an empty
   /// prompt, max_output_len < 1, a length past max_model_len or a duplicate id.
   void add_request(int id, std::vector<int32_t> prompt, int max_output_len);
@@ -103,8 +120,15 @@ class Scheduler {
   /// After the step ran: advances each scheduled request, registers its newly full blocks in
   /// the prefix cache, appends `sample(request)` to every request that computed all its
   /// tokens, and finishes (frees) the ones that reached max_output_len. Returns their ids.
+  /// A request holding one of `invalid_block_ids` (blocks the connector failed to load) is
+  /// instead set back to the first such block: its step's results are discarded and the
+  /// tokens from there on are computed again (it keeps its blocks).
   std::vector<int> update(const SchedulerOutput& output,
-                          const std::function<int32_t(const Request&)>& sample);
+                          const std::function<int32_t(const Request&)>& sample,
+                          std::span<const int32_t> invalid_block_ids = {});
+  /// True when `request` holds one of `invalid_block_ids` (update() then undoes its step).
+  static bool holds_any(const ScheduledRequest& request,
+                        std::span<const int32_t> invalid_block_ids);
 
   const Request& request(int id) const;
   bool has_unfinished() const { return !waiting_.empty() || !running_.empty(); }
@@ -132,7 +156,9 @@ class Scheduler {
   bool try_schedule_running(int id, int num_new_tokens, std::set<int>& scheduled,
                             SchedulerOutput& out);
   bool try_admit(int id, int& budget, SchedulerOutput& out);
-  void record(const Request& r, int num_new_tokens, int prefix_hit_tokens, SchedulerOutput& out);
+  void record(const Request& r, int num_new_tokens, int prefix_hit_tokens, int external_tokens,
+              SchedulerOutput& out);
+  KVConnectorRequest connector_request(const Request& r) const;
 
   SchedulerConfig config_;
   BlockPool pool_;
@@ -140,6 +166,7 @@ class Scheduler {
   std::deque<int> waiting_;   // FIFO; preempted requests go back to the front
   std::vector<int> running_;  // admission order = priority (last = preempted first)
   SchedulerStats stats_;
+  KVConnector* connector_ = nullptr;
 };
 
 }  // namespace pagedattn::sim

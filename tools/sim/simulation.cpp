@@ -4,13 +4,18 @@
 #include <cctype>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <tuple>
 #include <unordered_map>
 
 #include "pagedattn/case_file.h"
+#include "pagedattn/connector.h"
 #include "pagedattn/device.h"
 #include "pagedattn/error.h"
 #include "pagedattn/forward_context.h"
@@ -64,6 +69,28 @@ int64_t keys_read(int64_t c, int64_t q, std::optional<int> window) {
   return window ? std::min(c + q, q + *window - 1) : c + q;
 }
 
+// splitmix64's finaliser: a well-mixed 64-bit function of a 64-bit value.
+uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// A digest of one output row (equal rows, equal digests; a flipped bit changes it).
+uint64_t row_digest(const void* data, size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint64_t h = mix64(bytes);
+  size_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    h = mix64(h ^ w);
+  }
+  for (; i < bytes; ++i) h = mix64(h ^ p[i]);
+  return h;
+}
+
 template <class T>
 Tensor tensor_of(const std::vector<T>& values, DType dtype, const std::vector<int64_t>& shape) {
   Tensor t = Tensor::empty(shape, dtype);
@@ -111,8 +138,15 @@ class Engine {
                       const std::vector<WorkloadRequest>& workload) const;
   void plan_caches(const std::vector<WorkloadRequest>& workload);
   void make_activation_pool();
+  void make_connector();
   void run_step(const SchedulerOutput& out);
   TensorView activation(uint64_t salt, int64_t rows, int64_t cols) const;
+  // [tokens, cols] rows of the step's tokens for `layer`: each a window of the pool chosen by
+  // (the token's prefix, layer, which of q/k/v), so a token has the same rows in every run.
+  TensorView keyed_activation(const SchedulerOutput& out, int layer, int which, int64_t cols);
+  const std::vector<uint64_t>& prefix_keys(const Request& r, int upto);
+  void record_digest(const SchedulerOutput& out, int layer, const TensorView& output);
+  void write_digest() const;
   void verify_layer(int layer, const SchedulerOutput& out, const StepMetadata& md,
                     const Compaction& compaction, const Tensor& cache_before, const TensorView& q,
                     const TensorView& k, const TensorView& v, const TensorView& output);
@@ -133,6 +167,16 @@ class Engine {
   Tensor output_;  // [max_num_batched_tokens, num_heads * head_size]
   int64_t pool_slack_ = 0;
   std::unique_ptr<Scheduler> scheduler_;
+  // Token-keyed activations (with a connector or a digest).
+  bool keyed_ = false;
+  Tensor pool_host_;                                            // the pool on the host
+  std::vector<Tensor> keyed_host_, keyed_device_;               // [q, k, v] row buffers
+  std::unordered_map<int, std::vector<uint64_t>> prefix_keys_;  // request -> [position]
+  // Digest: (request, position, layer) -> row digest; this step's rows wait for its outcome.
+  std::map<std::tuple<int, int, int>, uint64_t> digest_;
+  std::vector<std::pair<std::tuple<int, int, int>, uint64_t>> step_digest_;
+  // The connector's two halves: the scheduler's and the worker's (set in the context).
+  std::unique_ptr<KVConnector> scheduler_connector_, worker_connector_;
   int64_t step_ = 0;
   bool verify_due_ = false;
   double worst_ratio_ = 0;  // max |error| / budget over the checks so far
@@ -288,6 +332,117 @@ void Engine::make_activation_pool() {
   }
   pool_ = o_.device.is_cpu() ? host : Tensor::copy_of(host.view(), o_.device);
   output_ = Tensor::empty({int64_t(o_.max_num_batched_tokens), row}, o_.dtype, o_.device);
+  keyed_ = !o_.kv_connector.empty() || !o_.digest_file.empty();
+  if (keyed_) {
+    pool_host_ = host;
+    const int64_t t = o_.max_num_batched_tokens;
+    for (const int64_t cols : {row, int64_t(preset_.num_kv_heads) * preset_.head_size,
+                               int64_t(preset_.num_kv_heads) * preset_.head_size}) {
+      keyed_host_.push_back(Tensor::empty({t, cols}, o_.dtype));
+      if (!o_.device.is_cpu())
+        keyed_device_.push_back(Tensor::empty({t, cols}, o_.dtype, o_.device));
+    }
+  }
+}
+
+const std::vector<uint64_t>& Engine::prefix_keys(const Request& r, int upto) {
+  std::vector<uint64_t>& keys = prefix_keys_[r.id];
+  while (int(keys.size()) < upto) {
+    const size_t p = keys.size();
+    const uint64_t parent = p == 0 ? mix64(o_.workload.seed ^ 0x70c3e9ull) : keys[p - 1];
+    keys.push_back(mix64(parent ^ (uint64_t(uint32_t(r.token_ids[p])) << 20) ^ p));
+  }
+  return keys;
+}
+
+TensorView Engine::keyed_activation(const SchedulerOutput& out, int layer, int which,
+                                    int64_t cols) {
+  const size_t es = dtype_size(o_.dtype);
+  const int64_t pool_elements = pool_host_.view().numel();
+  const auto* pool = static_cast<const char*>(pool_host_.data());
+  char* dst = static_cast<char*>(keyed_host_[size_t(which)].data());
+  int64_t rows = 0;
+  for (const ScheduledRequest& s : out.requests) {
+    const Request& r = scheduler_->request(s.request_id);
+    const std::vector<uint64_t>& keys = prefix_keys(r, s.context_len + s.num_new_tokens);
+    for (int i = 0; i < s.num_new_tokens; ++i) {
+      const uint64_t key =
+          mix64(keys[size_t(s.context_len + i)] ^ (uint64_t(layer + 1) * 0x9e3779b97f4a7c15ull) ^
+                (uint64_t(which + 1) << 56));
+      const int64_t offset = int64_t(key % uint64_t(pool_elements - cols + 1));
+      std::memcpy(dst, pool + size_t(offset) * es, size_t(cols) * es);
+      dst += size_t(cols) * es;
+      ++rows;
+    }
+  }
+  const TensorView host = keyed_host_[size_t(which)].view().slice(0, 0, rows);
+  if (o_.device.is_cpu()) return host;
+  const TensorView device = keyed_device_[size_t(which)].view().slice(0, 0, rows);
+  copy_tensor(device, host);
+  return device;
+}
+
+void Engine::record_digest(const SchedulerOutput& out, int layer, const TensorView& output) {
+  const Tensor host = Tensor::copy_of(output, Device::cpu());
+  const size_t row_bytes = size_t(host.view().size(1)) * dtype_size(o_.dtype);
+  const auto* base = static_cast<const char*>(host.data());
+  int64_t row = 0;
+  for (const ScheduledRequest& s : out.requests) {
+    const int prompt_len = scheduler_->request(s.request_id).prompt_len;
+    for (int i = 0; i < s.num_new_tokens; ++i, ++row) {
+      const int position = s.context_len + i;
+      if (position < prompt_len - 1) continue;  // only rows that produce a token
+      step_digest_.push_back(
+          {{s.request_id, position, layer}, row_digest(base + size_t(row) * row_bytes, row_bytes)});
+    }
+  }
+}
+
+void Engine::write_digest() const {
+  std::ofstream f(o_.digest_file);
+  require<Error>(bool(f), "--digest: cannot create '", o_.digest_file, "'");
+  // The header names what the rows depend on; the role and the connector do not belong here.
+  f << "# pagedattn run digest v1: preset " << preset_.name << ", seed " << o_.workload.seed
+    << ", dtype " << dtype_name(o_.dtype) << ", kv cache " << to_string(o_.kv_cache_dtype)
+    << "\n# request position layer digest\n";
+  char line[96];
+  for (const auto& [key, value] : digest_) {
+    std::snprintf(line, sizeof line, "%d %d %d %016llx\n", std::get<0>(key), std::get<1>(key),
+                  std::get<2>(key), static_cast<unsigned long long>(value));
+    f << line;
+  }
+  require<Error>(bool(f.flush()), "--digest: cannot write '", o_.digest_file, "'");
+}
+
+void Engine::make_connector() {
+  if (o_.kv_connector.empty()) {
+    require(o_.role == KVTransferRole::kBoth, "--role ",
+            o_.role == KVTransferRole::kProducer ? "prefill" : "decode",
+            " needs a KV connector (--connector storage:/dir or redis://host:port)");
+    return;
+  }
+  KVConnectorConfig c = parse_kv_connector_spec(o_.kv_connector);
+  c.kv_role = o_.role;
+  // The sim's "weights" are its seed: K/V of a token depend on it.
+  c.model = cat(preset_.name, "-seed", o_.workload.seed);
+  for (size_t i = 0; i < layers_.size(); ++i)
+    c.layers.push_back({layers_[i]->name(), group_of_[i]});
+  c.block_size = o_.block_size;
+  c.num_kv_heads = preset_.num_kv_heads;
+  c.head_size = preset_.head_size;
+  c.kv_cache_dtype = o_.kv_cache_dtype;
+  c.cache_dtype = layers_.front()->config().cache_dtype();
+  if (o_.log) {
+    c.log = [log = o_.log](std::string_view m) {
+      static std::mutex mu;  // worker threads log too
+      std::lock_guard<std::mutex> lock(mu);
+      *log << "pagedattn run: " << m << std::endl;
+    };
+  }
+  scheduler_connector_ = make_kv_connector(c, KVConnectorRole::kScheduler);
+  worker_connector_ = make_kv_connector(c, KVConnectorRole::kWorker);
+  context_.set_kv_connector(worker_connector_.get());
+  report_.kv_connector = redact_kv_connector_spec(o_.kv_connector);
 }
 
 TensorView Engine::activation(uint64_t salt, int64_t rows, int64_t cols) const {
@@ -415,13 +570,20 @@ void Engine::run_step(const SchedulerOutput& out) {
   for (size_t i = 0; i < layers_.size(); ++i) {
     const uint64_t salt =
         o_.workload.seed * 0x2545f4914f6cdd1dull + uint64_t(step_) * 1000003u + uint64_t(i) * 3u;
-    const TensorView q = activation(salt, t, hq * d);
-    const TensorView k = activation(salt + 1, t, hk * d);
-    const TensorView v = activation(salt + 2, t, hk * d);
+    const int layer = int(i);
+    const TensorView q =
+        keyed_ ? keyed_activation(out, layer, 0, hq * d) : activation(salt, t, hq * d);
+    const TensorView k =
+        keyed_ ? keyed_activation(out, layer, 1, hk * d) : activation(salt + 1, t, hk * d);
+    const TensorView v =
+        keyed_ ? keyed_activation(out, layer, 2, hk * d) : activation(salt + 2, t, hk * d);
     const int g = group_of_[i];
     std::optional<Compaction> compaction;
     Tensor before;
     if (check_layer[i]) {
+      // The snapshot must hold the blocks a connector loads for this layer.
+      if (KVConnector* c = context_.active_kv_connector())
+        c->wait_for_layer_load(layers_[i]->name());
       const auto t0 = Clock::now();
       std::vector<int32_t> used;
       for (const ScheduledRequest& s : out.requests) {
@@ -435,6 +597,7 @@ void Engine::run_step(const SchedulerOutput& out) {
     layers_[i]->forward(q, k, v, output);
     runtime.synchronize(o_.device.index);  // a no-op on the CPU
     report_.attention_seconds += seconds_since(t0);
+    if (!o_.digest_file.empty()) record_digest(out, layer, output);
     if (check_layer[i]) {
       const auto t1 = Clock::now();
       verify_layer(int(i), out, steps[size_t(g)], *compaction, before, q, k, v, output);
@@ -450,6 +613,7 @@ void Engine::run_step(const SchedulerOutput& out) {
 void Engine::run(const std::vector<WorkloadRequest>& workload) {
   plan_caches(workload);
   make_activation_pool();
+  make_connector();
   SchedulerConfig sc;
   sc.block_size = o_.block_size;
   sc.max_num_batched_tokens = o_.max_num_batched_tokens;
@@ -458,6 +622,7 @@ void Engine::run(const std::vector<WorkloadRequest>& workload) {
   sc.enable_prefix_caching = o_.enable_prefix_caching;
   sc.group_windows = group_window_;
   scheduler_ = std::make_unique<Scheduler>(sc, plan_.num_blocks);
+  scheduler_->set_kv_connector(scheduler_connector_.get());
 
   const uint64_t seed = o_.workload.seed;
   const int vocab = preset_.vocab_size;
@@ -481,8 +646,27 @@ void Engine::run(const std::vector<WorkloadRequest>& workload) {
     require<Error>(!out.requests.empty(), "step ", step_, ": the scheduler found nothing to run (",
                    scheduler_->num_waiting(), " waiting, ", scheduler_->num_running(), " running, ",
                    scheduler_->pool().num_free_blocks(), " free blocks)");
+    if (worker_connector_) {
+      // Spec 8.1: the scheduler side plans the step's transfers, the worker side does them.
+      worker_connector_->bind_connector_metadata(
+          scheduler_connector_->build_connector_meta(scheduler_->connector_output(out)));
+    }
+    step_digest_.clear();
     run_step(out);
-    const std::vector<int> finished = scheduler_->update(out, sample);
+    std::vector<int32_t> invalid;  // blocks whose load failed: their requests recompute
+    if (worker_connector_) {
+      invalid = worker_connector_->get_block_ids_with_load_errors();
+      worker_connector_->clear_connector_metadata();
+      scheduler_connector_->update_connector_output(invalid);
+    }
+    for (const auto& [key, value] : step_digest_) {
+      const auto& s = *std::find_if(
+          out.requests.begin(), out.requests.end(),
+          [&](const ScheduledRequest& r) { return r.request_id == std::get<0>(key); });
+      if (!Scheduler::holds_any(s, invalid)) digest_[key] = value;  // else discarded, redone
+    }
+    const std::vector<int> finished = scheduler_->update(out, sample, invalid);
+    for (const int id : finished) prefix_keys_.erase(id);
     report_.prefill_tokens += out.num_prefill_tokens;
     report_.decode_tokens += out.num_decode_tokens;
     if (out.num_prefill_tokens > 0 && out.num_decode_tokens > 0) ++report_.mixed_steps;
@@ -506,6 +690,18 @@ void Engine::run(const std::vector<WorkloadRequest>& workload) {
   report_.peak_blocks_used = st.peak_blocks_used;
   report_.window_blocks_released = st.window_blocks_released;
   report_.evictions = scheduler_->pool().num_evictions();
+  report_.external_hit_tokens = st.external_hit_tokens;
+  report_.load_error_requests = st.load_error_requests;
+  report_.load_error_tokens = st.load_error_tokens;
+  if (worker_connector_) {
+    worker_connector_->flush();  // every save in the store before the report
+    report_.connector = scheduler_connector_->stats();
+    report_.connector += worker_connector_->stats();
+  }
+  if (!o_.digest_file.empty()) {
+    write_digest();
+    report_.digest_rows = int64_t(digest_.size());
+  }
   if (is_fp8(o_.kv_cache_dtype)) {
     report_.k_scale = layers_.front()->k_scale();
     report_.v_scale = layers_.front()->v_scale();
@@ -544,7 +740,13 @@ SimReport run_simulation(const SimOptions& options) {
   w.vocab_size = preset.vocab_size;
   report.max_model_len = w.max_model_len;
   report.workload = w;
-  const std::vector<WorkloadRequest> workload = make_workload(w);
+  std::vector<WorkloadRequest> workload = make_workload(w);
+  report.role = std::string(to_string(options.role));
+  report.digest_file = options.digest_file;
+  if (options.role == KVTransferRole::kProducer) {
+    // A prefill instance: compute the prompt and its first token; the decode instance goes on.
+    for (WorkloadRequest& r : workload) r.output_len = 1;
+  }
   report.num_requests = int(workload.size());
   for (const WorkloadRequest& r : workload) {
     report.workload_prompt_tokens += int64_t(r.prompt.size());

@@ -1,7 +1,9 @@
 // The serving simulation behind `pagedattn run`: a preset's attention layers, their paged KV
 // caches planned for a memory budget, a seeded request stream driven through the scheduler,
 // every layer run on every step with random Q/K/V, timing, and checks against the float64
-// reference.
+// reference. With a KV connector (or a digest file) each token's Q/K/V rows are a function of
+// the seed, the token's prefix and the layer, as in a real model: K/V saved by one instance
+// are then exactly what another would compute (disaggregated prefill, docs/connector.md).
 #pragma once
 
 #include <cstdint>
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "pagedattn/config.h"
+#include "pagedattn/connector.h"
 #include "pagedattn/device.h"
 #include "pagedattn/dtype.h"
 #include "sim/workload.h"
@@ -58,6 +61,17 @@ struct SimOptions {
   /// Measure the device's read bandwidth at the end: a streaming read on the CPU, the bytes a
   /// device-to-device copy reads per second on a GPU.
   bool measure_bandwidth = true;
+  /// KV connector spec (pagedattn/connector.h): "storage:/dir" or "redis://host:port";
+  /// empty = none. Entries are namespaced by the preset and the seed (the sim's "weights").
+  std::string kv_connector;
+  /// What this instance does with the connector: kBoth loads and saves; kProducer is a prefill
+  /// instance (every request stops after its first token; prompts are saved); kConsumer is a
+  /// decode instance (loads what the store holds, saves nothing). kBoth without a connector.
+  KVTransferRole role = KVTransferRole::kBoth;
+  /// Writes a digest of every output row that produced a token (positions >= prompt length - 1)
+  /// of every layer to this file; empty = none. Runs of one workload on a batch-invariant
+  /// backend (ref) give identical files whatever their schedules, hits and transfers.
+  std::string digest_file;
   std::function<void(const Progress&)> on_progress;  ///< called after each step
   std::ostream* log = nullptr;  ///< verification failures are described here (if set)
 };
@@ -117,6 +131,16 @@ struct SimReport {
   std::string device;            ///< "cpu", "cuda:0"
   std::optional<double> machine_read_bandwidth;  ///< bytes per second, see bandwidth_method
   std::string bandwidth_method;                  ///< how machine_read_bandwidth was measured
+
+  // KV connector.
+  std::string kv_connector;         ///< the spec, password hidden; empty = none
+  std::string role = "both";        ///< "both", "producer" (prefill) or "consumer" (decode)
+  KVConnectorStats connector;       ///< scheduler- and worker-side counters together
+  int64_t external_hit_tokens = 0;  ///< prompt tokens loaded instead of computed
+  int64_t load_error_requests = 0;  ///< request steps undone because a load failed
+  int64_t load_error_tokens = 0;    ///< tokens those steps gave back (computed again)
+  std::string digest_file;
+  int64_t digest_rows = 0;  ///< (request, position, layer) rows in the digest
 
   // Verification.
   int verify_every = 0;
