@@ -36,6 +36,8 @@ DECODE_MMA = [(a, kv, d) for a in ["f16", "bf16"] for kv in ["same", "fp8"] for 
 DECODE_GENERIC = ACTIVATIONS
 # split combine: one per activation (output) dtype.
 COMBINE = ACTIVATIONS
+# prefill, tensor cores: the decode tensor-core set (long queries; other dtypes stay on decode).
+PREFILL = DECODE_MMA
 
 KV_KIND = {"same": "kSame", "fp8": "kFp8", "any": "kAny"}
 
@@ -85,13 +87,21 @@ def family_files():
             "decode", "combine.cuh", f"CombineOps<DType::{DTYPE[a]}>")
         inc.append(f"PAGEDATTN_COMBINE_INSTANCE({DTYPE[a]})\n")
     files[CUDA / "decode" / "inst" / "instances.inc"] = "".join(inc)
+
+    inc = [HEADER]
+    for a, kv, d in PREFILL:
+        files[CUDA / "prefill" / "inst" / f"prefill_{a}_{kv}_d{d}.cu"] = instance_file(
+            "prefill", "kernel.cuh", f"PrefillOps<Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {d}>>")
+        inc.append(f"#if PAGEDATTN_CUDA_HEAD_SIZE_{d}\n"
+                   f"PAGEDATTN_PREFILL_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {d})\n#endif\n")
+    files[CUDA / "prefill" / "inst" / "instances.inc"] = "".join(inc)
     return files
 
 
 def stale_generated(files):
     """Generated files on disk that the table no longer names."""
     out = []
-    for family in ["cache_ops", "merge", "amax", "decode"]:
+    for family in ["cache_ops", "merge", "amax", "decode", "prefill"]:
         for p in sorted((CUDA / family / "inst").glob("*")):
             if p not in files and p.is_file() and p.read_text().startswith(HEADER):
                 out.append(p)

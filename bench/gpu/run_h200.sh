@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# One command that checks and times the cuda backend on the H200 machine, writing at most 8
-# files under $OUT (summary.txt, backend_ops.log, cuda_tests.log, sanitizer.log, bench.log,
-# results.json, decode.png) and printing a short table last.
+# One command that checks and times the cuda backend on the H200 machine, writing files under
+# $OUT (summary.txt, backend_ops.log, backend_ops_prefill_all.log, cuda_tests.log,
+# sanitizer.log, bench.log, results.json, decode.png, prefill.log, prefill.json, prefill.png)
+# and printing a short table last.
 #
 # The binaries are built HERE (the H200 image lacks CLI11 / nlohmann-json / libdlpack) with
 #     cmake --preset cuda-h200 && cmake --build --preset cuda-h200
 # and carried with the call: carry = build/cuda-h200/tests/backend_ops,
-# build/cuda-h200/tests/pagedattn_cuda_tests, build/cuda-h200/bench/gpu/bench_decode; then
+# build/cuda-h200/tests/pagedattn_cuda_tests, build/cuda-h200/bench/gpu/bench_decode,
+# build/cuda-h200/bench/gpu/bench_prefill; then
 #     bash bench/gpu/run_h200.sh
 # They link cudart statically and need only libc/libstdc++ and the driver there.
 #
 # Parts can be skipped: SKIP_BACKEND_OPS=1 SKIP_TESTS=1 SKIP_SANITIZER=1 SKIP_BENCH=1
-# SKIP_PEERS=1; BENCH_QUICK=1 runs a small benchmark matrix. Each part has a time limit so that
+# SKIP_PEERS=1 SKIP_PREFILL_BENCH=1; BENCH_QUICK=1 runs a small benchmark matrix. Each part has a time limit so that
 # the whole run stays under ~9 minutes of device time.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -28,7 +30,8 @@ elapsed() { echo "$(( $(date +%s) - start )) s"; }
 backend_ops="$BUILD/tests/backend_ops"
 cuda_tests="$BUILD/tests/pagedattn_cuda_tests"
 bench="$BUILD/bench/gpu/bench_decode"
-for b in "$backend_ops" "$cuda_tests" "$bench"; do
+bench_prefill="$BUILD/bench/gpu/bench_prefill"
+for b in "$backend_ops" "$cuda_tests" "$bench" "$bench_prefill"; do
   [ -x "$b" ] || say "missing $b (build with the cuda-h200 preset here and carry it)"
 done
 
@@ -45,6 +48,14 @@ if [ "${SKIP_BACKEND_OPS:-0}" != 1 ]; then
   rc=$?
   grep -E "^backend |FAIL" "$OUT/backend_ops.log" | head -20 | tee -a "$summary"
   say "backend_ops rc=$rc"
+  [ $rc -eq 0 ] || status=1
+  # Every case again with every row on the prefill kernel (decode shapes included).
+  say "== backend_ops, PAGEDATTN_CUDA_PREFILL=all  ($(elapsed))"
+  PAGEDATTN_CUDA_PREFILL=all timeout 240 "$backend_ops" test --device cuda --backend cuda \
+    >"$OUT/backend_ops_prefill_all.log" 2>&1
+  rc=$?
+  grep -E "^backend |FAIL" "$OUT/backend_ops_prefill_all.log" | head -20 | tee -a "$summary"
+  say "backend_ops (prefill all) rc=$rc"
   [ $rc -eq 0 ] || status=1
 fi
 
@@ -110,7 +121,34 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   fi
 fi
 
+# ---- 5. prefill benchmark: ours (paged, shuffled blocks) and torch SDPA (contiguous) ---------
+if [ "${SKIP_PREFILL_BENCH:-0}" != 1 ]; then
+  say "== bench prefill  ($(elapsed))"
+  quick=()
+  [ "${BENCH_QUICK:-0}" = 1 ] && quick=(--quick)
+  timeout 200 "$bench_prefill" --out "$SCRATCH/prefill_ours.json" "${quick[@]}" \
+    >"$OUT/prefill.log" 2>&1
+  say "bench_prefill rc=$?"
+  peers=()
+  if [ "${SKIP_PEERS:-0}" != 1 ]; then
+    PYTHONUNBUFFERED=1 timeout 200 python3 bench/gpu/peers_prefill.py \
+      --out "$SCRATCH/prefill_peers.json" "${quick[@]}" >>"$OUT/prefill.log" 2>&1
+    say "peers_prefill rc=$?"
+    [ -s "$SCRATCH/prefill_peers.json" ] && peers=(--peers "$SCRATCH/prefill_peers.json")
+  fi
+  if [ -s "$SCRATCH/prefill_ours.json" ]; then
+    python3 bench/gpu/report_prefill.py --ours "$SCRATCH/prefill_ours.json" "${peers[@]}" \
+      --json "$OUT/prefill.json" --png "$OUT/prefill.png" \
+      --meta "$(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null)" \
+      >"$SCRATCH/prefill_table.txt" 2>&1
+    cat "$SCRATCH/prefill_table.txt" >>"$summary"
+  else
+    say "no prefill results (see prefill.log)"
+  fi
+fi
+
 say "== done in $(elapsed), status $status"
 [ -s "$SCRATCH/table.txt" ] && cat "$SCRATCH/table.txt"
+[ -s "$SCRATCH/prefill_table.txt" ] && cat "$SCRATCH/prefill_table.txt"
 rm -rf "$SCRATCH"
 exit $status

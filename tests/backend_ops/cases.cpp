@@ -180,6 +180,7 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
   // Batch shapes.
   m.add("batch", base, {{130, 1}, {7, 1}, {255, 1}, {16, 1}, {0, 1}, {61, 1}, {300, 1}, {1, 1}});
   m.add("batch", base, {{0, 200}});
+  m.add("batch", base, {{0, 333}, {17, 90}, {0, 1}, {250, 40}});  // many q tiles, mixed routes
   m.add("batch", base, {{128, 64}});  // chunked prefill, context a multiple of the block size
   m.add("batch", base, {{0, 0}, {0, 0}});
   m.add("batch", base, {{0, 0}, {33, 5}, {0, 0}}, 7);
@@ -191,6 +192,7 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
     c.num_kv_heads = 1;
     m.add("split", c, {{2500, 1}});
     m.add("split", c, {{1800, 4}});
+    m.add("split", c, {{1500, 70}});  // chunked prefill over a long context: split prefill
     c.sinks = {1, 2, 3, 4, 0, -1, -2, 5};
     m.add("split", c, {{2100, 1}});
     c.sliding_window = 700;

@@ -430,10 +430,18 @@ TEST(CudaMerge, MatchesTheReferenceWithInfinitiesAndGarbage) {
           fill_host(po.view().select(0, t).select(0, hh), std::nan(""));
         }
       }
+      // The oracle merges float64 copies (merge_states takes outputs of the output's dtype).
+      auto widened = [](const Tensor& t) {
+        Tensor w = Tensor::empty(t.view().shape_vector(), DType::kF64);
+        for (int64_t i = 0; i < t.view().numel(); ++i)
+          store_element(w.data(), DType::kF64, i, load_element(t.data(), t.view().dtype, i));
+        return w;
+      };
+      const Tensor po64 = widened(po), so64 = widened(so);
       Tensor want = Tensor::empty({n, h, d}, DType::kF64),
              want_lse = Tensor::empty({h, n}, DType::kF64);
       ref->merge_states(
-          {po.view(), pl.view(), so.view(), sl.view(), want.view(), want_lse.view(), {}});
+          {po64.view(), pl.view(), so64.view(), sl.view(), want.view(), want_lse.view(), {}});
 
       const Device dev = Device::cuda(0);
       Tensor gpo = Tensor::copy_of(po.view(), dev), gso = Tensor::copy_of(so.view(), dev);

@@ -22,6 +22,7 @@
 #include "cuda/decode/launch.h"
 #include "cuda/merge/config.h"
 #include "cuda/merge/launch.h"
+#include "cuda/prefill/launch.h"
 #include "pagedattn/error.h"
 
 namespace pagedattn::cuda {
@@ -38,6 +39,14 @@ BackendOptions backend_options_from_env() {
     require(end && *end == '\0' && n >= 1 && n <= decode::kMaxSplits, kSplitsEnvVar, " ('", s,
             "') must be an integer in [1, ", decode::kMaxSplits, "]");
     o.num_splits = int(n);
+  }
+  if (const char* s = std::getenv(kPrefillEnvVar); s && *s) {
+    const std::string v(s);
+    require(v == "auto" || v == "off" || v == "all", kPrefillEnvVar, " ('", v,
+            "') must be auto, off or all");
+    o.prefill = v == "off"   ? PrefillRoute::kOff
+                : v == "all" ? PrefillRoute::kAll
+                             : PrefillRoute::kAuto;
   }
   return o;
 }
@@ -115,7 +124,7 @@ class CudaBackend final : public Backend {
 
   std::unique_ptr<AttentionImpl> make_impl(const AttentionConfig& config,
                                            Device device) const override {
-    return std::make_unique<CudaImpl>(config, device, options_.checked);
+    return std::make_unique<CudaImpl>(config, device, options_);
   }
 
   std::unique_ptr<Plan> plan(const AttentionMetadata& md,
@@ -129,7 +138,16 @@ class CudaBackend final : public Backend {
     if (kernel == nullptr || device >= visible_device_count()) {
       plan = make_plan(md, config, 0, 0);  // nothing to run on: an unsplit plan
     } else {
-      plan = make_plan(md, config, device_props(device).num_sms, ctas_per_sm(*kernel, device));
+      // The route the impl takes (impl.cpp): rows past kDecodeMaxRows on the prefill kernel.
+      const prefill::PrefillKernel* pk =
+          options_.prefill == PrefillRoute::kOff
+              ? nullptr
+              : prefill::find_prefill(config.dtype, cache, config.head_size);
+      const int route = pk == nullptr                            ? -1
+                        : options_.prefill == PrefillRoute::kAll ? 0
+                                                                 : prefill::kDecodeMaxRows;
+      plan = make_plan(md, config, device_props(device).num_sms, ctas_per_sm(*kernel, device),
+                       route, pk != nullptr ? pk->block_m : 128);
     }
     if (options_.num_splits > 0 && md.num_actual_tokens > 0) {
       plan->num_splits = options_.num_splits;

@@ -12,6 +12,16 @@ namespace pagedattn::cuda {
 inline constexpr const char* kCheckedEnvVar = "PAGEDATTN_CHECKED";
 /// Environment variable that forces the KV split count of every step (1..64; tests, benchmarks).
 inline constexpr const char* kSplitsEnvVar = "PAGEDATTN_CUDA_SPLITS";
+/// Environment variable that routes rows between the decode and prefill kernels:
+/// auto (default), off (the decode kernel takes every row), all (the prefill kernel does).
+inline constexpr const char* kPrefillEnvVar = "PAGEDATTN_CUDA_PREFILL";
+
+/// Which kernel takes which request's rows.
+enum class PrefillRoute {
+  kAuto,  ///< requests with more than prefill::kDecodeMaxRows packed rows: the prefill kernel
+  kOff,   ///< the decode kernel only (it q-tiles long queries correctly, slowly)
+  kAll,   ///< the prefill kernel only, where one is compiled (tests: every shape through it)
+};
 
 struct BackendOptions {
   /// Checked mode: before each launch, copy the step's device metadata (query_start_loc,
@@ -21,9 +31,10 @@ struct BackendOptions {
   bool checked = false;
   /// > 0: every plan uses this many KV splits instead of the heuristic's choice.
   int num_splits = 0;
+  PrefillRoute prefill = PrefillRoute::kAuto;
 };
 
-/// Options from PAGEDATTN_CHECKED and PAGEDATTN_CUDA_SPLITS.
+/// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS and PAGEDATTN_CUDA_PREFILL.
 BackendOptions backend_options_from_env();
 
 std::unique_ptr<Backend> make_backend(const BackendOptions& options = backend_options_from_env());

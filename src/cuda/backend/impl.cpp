@@ -54,14 +54,17 @@ void require_on(const TensorView& v, Device device, std::string_view name) {
 
 }  // namespace
 
-CudaImpl::CudaImpl(const AttentionConfig& config, Device device, bool checked)
-    : config_(config), device_(device), checked_(checked) {
+CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOptions& options)
+    : config_(config), device_(device), checked_(options.checked), route_(options.prefill) {
   require<NotSupported>(device.is_cuda(), "cuda backend: device ", to_string(device),
                         " is not a CUDA device");
   const bool cached = uses_kv_cache(config.attn_type);
   cache_dtype_ = cached ? config.cache_dtype() : config.dtype;
   decode_ = decode::find_decode(config.dtype, cache_dtype_, config.head_size);
   combine_ = decode::find_combine(config.dtype);
+  if (route_ != PrefillRoute::kOff) {
+    prefill_ = prefill::find_prefill(config.dtype, cache_dtype_, config.head_size);
+  }
   require<NotSupported>(decode_ != nullptr && combine_ != nullptr,
                         "cuda backend: no attention kernel compiled for ", dtype_name(config.dtype),
                         " activations, a ", dtype_name(cache_dtype_), " cache and head_size ",
@@ -75,6 +78,7 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, bool checked)
   // Raises the kernel's shared-memory limit now, so that no attribute call happens later
   // inside a graph capture.
   decode_->ctas_per_sm(device.index);
+  if (prefill_ != nullptr) prefill_->ctas_per_sm(device.index);
   auto upload = [&](const std::vector<float>& v) {
     if (v.empty()) return Tensor{};
     const TensorView host =
@@ -247,7 +251,24 @@ void CudaImpl::forward(const ForwardArgs& a) {
         static_cast<char*>(a.workspace.data) +
         split_lse_offset(p.num_splits, md.num_actual_tokens, cfg.num_heads, cfg.head_size));
   }
-  decode_->launch(p, stream);
+  // Rows: requests with more than kDecodeMaxRows packed rows go to the prefill kernel (all of
+  // them under PAGEDATTN_CUDA_PREFILL=all), the rest to the decode kernel; each kernel skips
+  // the other's requests on the device, so the grids need only the longest query. The prefill
+  // kernel goes first and the decode kernel behind it without overlap (launch_with_pdl).
+  const int64_t max_rows = int64_t(md.max_query_len) * p.group;
+  const bool all = route_ == PrefillRoute::kAll;
+  if (prefill_ != nullptr && (all || max_rows > prefill::kDecodeMaxRows)) {
+    p.route_rows = all ? 0 : prefill::kDecodeMaxRows;
+    decode::DecodeParams pp = p;
+    pp.num_q_tiles = int((max_rows + prefill_->block_m - 1) / prefill_->block_m);
+    prefill_->launch(pp, stream);
+    if (!all) {
+      p.num_q_tiles = prefill::kDecodeMaxRows / decode::kRows;
+      decode_->launch(p, stream, /*pdl=*/false);
+    }
+  } else {
+    decode_->launch(p, stream, /*pdl=*/true);
+  }
   if (p.num_splits > 1) combine_->launch(p, stream);
 }
 

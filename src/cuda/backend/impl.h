@@ -2,8 +2,10 @@
 // device, and the parameter building of write_kv and forward.
 #pragma once
 
+#include "cuda/backend/cuda_backend.h"
 #include "cuda/cache_ops/launch.h"
 #include "cuda/decode/launch.h"
+#include "cuda/prefill/launch.h"
 #include "pagedattn/backend.h"
 
 namespace pagedattn::cuda {
@@ -12,22 +14,26 @@ class CudaImpl final : public AttentionImpl {
  public:
   /// Resolves the compiled kernels for `config` (throws NotSupported naming what is missing)
   /// and uploads ALiBi slopes and sinks to `device`.
-  CudaImpl(const AttentionConfig& config, Device device, bool checked);
+  CudaImpl(const AttentionConfig& config, Device device, const BackendOptions& options);
 
   /// Launches on args.stream; allocates nothing; in checked mode validates every slot first.
   void write_kv(const WriteKVArgs& args) override;
-  /// Launches the attention kernel (and the split combine when the plan splits) on
-  /// args.stream. Allocates nothing and never synchronises (checked mode aside), so a step can
-  /// be captured in a CUDA graph; every per-step array is read from device memory.
+  /// Launches the attention kernels on args.stream: the prefill kernel for requests with long
+  /// queries (when one is compiled for the configuration), the decode kernel for the rest, and
+  /// the split combine when the plan splits; each kernel picks its requests on the device.
+  /// Allocates nothing and never synchronises (checked mode aside), so a step can be captured in a
+  /// CUDA graph; every per-step array is read from device memory.
   void forward(const ForwardArgs& args) override;
 
  private:
   AttentionConfig config_;
   Device device_;
   bool checked_;
+  PrefillRoute route_;
   DType cache_dtype_;  // what the kernels read K/V as (the activation dtype for encoder types)
   const decode::DecodeKernel* decode_ = nullptr;
   const decode::CombineKernel* combine_ = nullptr;
+  const prefill::PrefillKernel* prefill_ = nullptr;  // nullptr: the decode kernel takes all
   const cache_ops::WriteKVKernel* write_ = nullptr;
   Tensor alibi_slopes_;  // float32 [num_heads] on the device, or undefined
   Tensor sinks_;         // float32 [num_heads] on the device, or undefined

@@ -15,7 +15,9 @@ int choose_num_splits(const SplitInputs& in) {
   for (size_t r = 0; r < in.q_lens.size(); ++r) {
     if (in.q_lens[r] <= 0) continue;
     const int64_t rows = int64_t(in.q_lens[r]) * in.group;
-    work += int64_t(in.num_kv_heads) * ((rows + decode::kRows - 1) / decode::kRows);
+    const int64_t per_cta =
+        in.route_rows >= 0 && rows > in.route_rows ? in.prefill_block_m : decode::kRows;
+    work += int64_t(in.num_kv_heads) * ((rows + per_cta - 1) / per_cta);
     max_kv = std::max(max_kv, in.kv_lens[r]);
   }
   if (work == 0) return 1;
@@ -53,7 +55,8 @@ size_t split_workspace_bytes(int num_splits, int num_actual_tokens, int num_head
 }
 
 std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& md, const AttentionConfig& config,
-                                    int num_sms, int ctas_per_sm) {
+                                    int num_sms, int ctas_per_sm, int route_rows,
+                                    int prefill_block_m) {
   auto plan = std::make_unique<CudaPlan>();
   plan->num_actual_tokens = md.num_actual_tokens;
   plan->num_heads = config.num_heads;
@@ -70,6 +73,8 @@ std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& md, const Attention
   in.ctas_per_sm = ctas_per_sm;
   in.num_kv_heads = config.num_kv_heads;
   in.group = config.num_queries_per_kv();
+  in.route_rows = route_rows;
+  in.prefill_block_m = prefill_block_m;
   const bool cached = uses_kv_cache(config.attn_type);
   auto at = [](const TensorView& v, int i) {
     return static_cast<const int32_t*>(v.data)[int64_t(i) * v.stride(0)];

@@ -29,10 +29,15 @@ struct SplitInputs {
   int group = 1;             ///< query heads per KV head
   std::vector<int> q_lens;   ///< per request
   std::vector<int> kv_lens;  ///< keys a request's rows can see (window-limited)
+  /// >= 0: requests with more packed rows than this run on the prefill kernel, whose CTAs hold
+  /// prefill_block_m rows; -1: every request runs on the decode kernel (16 rows per CTA).
+  int route_rows = -1;
+  int prefill_block_m = 128;
 };
 
 /// The number of KV splits (flash-decoding). CTAs without splitting:
-/// work = sum over requests of num_kv_heads * ceil(q_len * G / 16). Splits multiply it; the
+/// work = sum over requests of num_kv_heads * ceil(q_len * G / rows per CTA) (16 on the decode
+/// kernel, prefill_block_m on the prefill kernel). Splits multiply it; the
 /// choice is the smallest s in [1, s_max] whose wave efficiency
 ///   eff(s) = work*s / (slots * ceil(work*s / slots)),  slots = num_sms * ctas_per_sm,
 /// reaches 90% of the best over that range, where s_max keeps >= kMinSplitTokens keys per
@@ -48,7 +53,9 @@ size_t split_lse_offset(int num_splits, int num_actual_tokens, int num_heads, in
 
 /// Builds the plan for `metadata` and `config` on a device with `num_sms` SMs holding
 /// `ctas_per_sm` CTAs of the kernel that will run (0 = unknown: no splitting).
+/// `route_rows` and `prefill_block_m` as in SplitInputs.
 std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& metadata,
-                                    const AttentionConfig& config, int num_sms, int ctas_per_sm);
+                                    const AttentionConfig& config, int num_sms, int ctas_per_sm,
+                                    int route_rows = -1, int prefill_block_m = 128);
 
 }  // namespace pagedattn::cuda

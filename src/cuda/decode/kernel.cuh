@@ -380,6 +380,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
   }
   const int rows_total = w.q_len * p.group;
   if (w.row0 >= rows_total) return;  // a shorter query than the longest: nothing here
+  if (p.route_rows > 0 && rows_total > p.route_rows) return;  // the prefill kernel's request
   w.num_rows = min(kRows, rows_total - w.row0);
   if (p.kv_direct) w.kv_len = w.q_len;
   // Key bounds grow with the row's token, so the first and last rows bound the CTA's range.
@@ -873,9 +874,11 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
 // Launches `kernel(p)` with programmatic stream serialization allowed: its CTAs may be
 // scheduled while the previous kernel of the stream finishes (both call the griddepcontrol
 // pair at their top), which hides the launch gap between the attention and combine kernels
-// and between layers. Graph capture keeps the edge as a programmatic dependency.
+// and between layers. Graph capture keeps the edge as a programmatic dependency. `pdl` false
+// launches plainly: behind a long kernel, early CTAs would only sit in griddepcontrol.wait
+// holding SM slots that kernel needs (the decode kernel behind the prefill kernel).
 inline void launch_with_pdl(void (*kernel)(DecodeParams), dim3 grid, dim3 block, int smem,
-                            cudaStream_t stream, const DecodeParams& p) {
+                            cudaStream_t stream, const DecodeParams& p, bool pdl = true) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -885,7 +888,7 @@ inline void launch_with_pdl(void (*kernel)(DecodeParams), dim3 grid, dim3 block,
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = pdl ? 1 : 0;
   PAGEDATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
   PAGEDATTN_CUDA_CHECK_LAUNCH();
 }
@@ -902,7 +905,7 @@ void prepare_decode(int device) {
 }
 
 template <class T>
-void DecodeOps<T>::launch(const DecodeParams& p, cudaStream_t stream) {
+void DecodeOps<T>::launch(const DecodeParams& p, cudaStream_t stream, bool pdl) {
   const dim3 grid(unsigned(p.num_seqs) * unsigned(p.num_kv_heads) * unsigned(p.num_q_tiles),
                   unsigned(p.num_splits));
   if (grid.x == 0 || grid.y == 0) return;
@@ -910,7 +913,7 @@ void DecodeOps<T>::launch(const DecodeParams& p, cudaStream_t stream) {
   PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
   prepare_decode<T>(device);
   const int smem = layout_for<T>(p.head_size, p.kv_dtype).total;
-  launch_with_pdl(decode_kernel<T>, grid, dim3(T::kThreads), smem, stream, p);
+  launch_with_pdl(decode_kernel<T>, grid, dim3(T::kThreads), smem, stream, p, pdl);
 }
 
 template <class T>

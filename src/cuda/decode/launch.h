@@ -17,7 +17,8 @@ struct DecodeKernel {
   DType act;
   KVKind kv;
   int head_size;  ///< 0: any multiple of 16 up to kMaxHeadSize (the generic kernel)
-  void (*launch)(const DecodeParams& params, cudaStream_t stream);
+  /// pdl: overlap with the previous kernel of the stream (false behind the prefill kernel).
+  void (*launch)(const DecodeParams& params, cudaStream_t stream, bool pdl);
   /// CTAs of this kernel one SM holds (for the split planner); prepares the kernel's shared
   /// memory limit on `device` first.
   int (*ctas_per_sm)(int device);
@@ -32,7 +33,7 @@ struct CombineKernel {
 /// Defined in kernel.cuh / combine.cuh, explicitly instantiated by inst/*.cu.
 template <class TraitsT>
 struct DecodeOps {
-  static void launch(const DecodeParams& params, cudaStream_t stream);
+  static void launch(const DecodeParams& params, cudaStream_t stream, bool pdl);
   static int ctas_per_sm(int device);
 };
 template <DType kAct>

@@ -54,8 +54,11 @@ struct DecodeParams {
   int num_splits;      ///< grid.y; > 1: partials go to the workspace, the combine kernel merges
   float* partial_o;    ///< [num_splits, T_a, num_heads, head_size] float, normalised, v-scaled
   float* partial_lse;  ///< [num_splits, T_a, num_heads] float, log2 units (-inf = no keys)
-  int vec_q;           ///< q rows and base allow 16-byte loads
-  int vec_out;         ///< out rows and base allow 16-byte stores
+  /// > 0: the prefill kernel runs in the same step and takes the requests with more packed
+  /// rows (q_len * G) than this; the decode kernel skips them. 0: one kernel takes every row.
+  int route_rows;
+  int vec_q;    ///< q rows and base allow 16-byte loads
+  int vec_out;  ///< out rows and base allow 16-byte stores
 };
 
 }  // namespace pagedattn::cuda::decode

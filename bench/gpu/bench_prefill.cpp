@@ -1,0 +1,228 @@
+// bench_prefill: paged prefill attention of the `cuda` backend (causal, bf16 and fp8 KV),
+// timed with CUDA events over CUDA-graph replays on random data, in TFLOP/s. Writes JSON that
+// bench/gpu/report_prefill.py merges with peers_prefill.py's torch figures.
+//
+//   bench_prefill --out ours.json [--quick]
+//
+// FLOPs counted: 4 * head_size per visible (query, key) pair per query head (QK^T and PV,
+// 2 FLOPs per multiply-add), i.e. 4 * q * k * d halved for a causal square; a chunk of q
+// tokens over c cached ones sees sum_i (c + i + 1) keys. Nothing else is counted.
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <string>
+
+#include "bench_common.h"
+
+namespace {
+
+using json = nlohmann::json;
+using namespace bench;
+
+struct Shape {
+  std::string group;
+  int batch = 1, context = 0, q_len = 4096;  // context: cached tokens before the chunk
+  int num_heads = 32, num_kv_heads = 8, head_size = 128, block_size = 16;
+  KVCacheDType kv = KVCacheDType::kAuto;
+};
+
+std::string label(const Shape& s) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "%s b%d ctx%d q%d h%d/%d d%d %s", s.group.c_str(), s.batch,
+                s.context, s.q_len, s.num_heads, s.num_kv_heads, s.head_size,
+                std::string(to_string(s.kv)).c_str());
+  return buf;
+}
+
+double flops(const Shape& s) {
+  // sum over the chunk's tokens i of (context + i + 1) visible keys
+  const double pairs = double(s.q_len) * s.context + double(s.q_len) * (s.q_len + 1) / 2.0;
+  return 4.0 * s.head_size * pairs * s.num_heads * s.batch;
+}
+
+json run_point(const Backend& backend, const Shape& s, bool quick, std::mt19937& rng,
+               cudaStream_t stream) {
+  AttentionConfig c;
+  c.num_heads = s.num_heads;
+  c.num_kv_heads = s.num_kv_heads;
+  c.head_size = s.head_size;
+  c.scale = 1.0f / std::sqrt(float(s.head_size));
+  c.dtype = DType::kBF16;
+  c.kv_cache_dtype = s.kv;
+  c.block_size = s.block_size;
+  json r = {{"label", label(s)},
+            {"group", s.group},
+            {"batch", s.batch},
+            {"context", s.context},
+            {"q_len", s.q_len},
+            {"num_heads", s.num_heads},
+            {"num_kv_heads", s.num_kv_heads},
+            {"head_size", s.head_size},
+            {"kv_cache_dtype", std::string(to_string(s.kv))},
+            {"flops", flops(s)}};
+  const Device dev = Device::cuda(0);
+  const auto reasons = backend.check({c, dev});
+  if (!reasons.empty()) {
+    r["skipped"] = reasons.front();
+    return r;
+  }
+  const DType cache_dtype = c.cache_dtype();
+  const int seq_len = s.context + s.q_len;
+  const int blocks_per_seq = (seq_len + s.block_size - 1) / s.block_size;
+  const int64_t num_blocks = int64_t(blocks_per_seq) * s.batch + 1;
+  KVCache cache = KVCache::allocate(num_blocks, s.block_size, s.num_kv_heads, s.head_size,
+                                    cache_dtype, KVCacheLayout::kNHD, dev);
+  fill_random(cache.storage().data(), cache.storage().view().nbytes(), cache_dtype, rng, stream);
+  std::vector<int32_t> pool(size_t(num_blocks - 1));
+  std::iota(pool.begin(), pool.end(), 1);
+  std::shuffle(pool.begin(), pool.end(), rng);  // a shuffled block table
+  MetadataBuilder b(s.block_size);
+  for (int q = 0; q < s.batch; ++q) {
+    RequestSpec spec{s.context, s.q_len, {}};
+    const size_t base = size_t(q) * size_t(blocks_per_seq);
+    spec.block_ids.assign(pool.begin() + long(base), pool.begin() + long(base + blocks_per_seq));
+    b.add(spec);
+  }
+  StepMetadata step = b.build();
+  AttentionMetadata md = step.to_device(dev);
+  const int64_t tokens = int64_t(s.batch) * s.q_len;
+  Tensor query = Tensor::empty({tokens, s.num_heads, s.head_size}, DType::kBF16, dev);
+  fill_random(query.data(), query.view().nbytes(), DType::kBF16, rng, stream);
+  Tensor out = Tensor::empty({tokens, s.num_heads, s.head_size}, DType::kBF16, dev);
+  auto impl = backend.make_impl(c, dev);
+  const auto plan = backend.plan(md, c);
+  Tensor workspace;
+  if (plan->workspace_bytes() > 0) {
+    workspace = Tensor::empty({int64_t(plan->workspace_bytes())}, DType::kU8, dev);
+  }
+  auto forward = [&] {
+    ForwardArgs f;
+    f.query = query.view();
+    f.kv_cache = cache.view();
+    f.scales = {1.0f, 1.0f};
+    f.metadata = &md;
+    f.output = out.view();
+    f.plan = plan.get();
+    f.workspace = {workspace.data(), plan->workspace_bytes()};
+    f.stream = {stream};
+    impl->forward(f);
+  };
+  // Enough launches per replay for ~2 ms, so launch gaps do not count.
+  forward();
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  const double one_ms = median(time_ms(stream, 3, forward));
+  const int per_graph = std::clamp(int(std::ceil(2.0 / std::max(one_ms, 1e-3))), 1, 64);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < per_graph; ++i) forward();
+  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  const auto warm0 = std::chrono::steady_clock::now();
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - warm0).count() < 0.1) {
+    BENCH_CUDA(cudaGraphLaunch(exec, stream));
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+  }
+  const auto ms =
+      time_ms(stream, quick ? 5 : 11, [&] { BENCH_CUDA(cudaGraphLaunch(exec, stream)); });
+  BENCH_CUDA(cudaGraphExecDestroy(exec));
+  BENCH_CUDA(cudaGraphDestroy(graph));
+  const double us = median(ms) * 1e3 / per_graph;
+  r["us"] = us;
+  r["tflops"] = flops(s) / (us * 1e-6) / 1e12;
+  r["num_splits_workspace_bytes"] = plan->workspace_bytes();
+  return r;
+}
+
+std::vector<Shape> shapes(bool quick) {
+  std::vector<Shape> v;
+  // Fresh causal prompts, ~16k tokens per launch.
+  const std::vector<int> lens =
+      quick ? std::vector<int>{4096} : std::vector<int>{1024, 2048, 4096, 8192, 16384};
+  for (int d : {128, 64, 256}) {
+    for (int n : lens) {
+      Shape s;
+      s.group = "causal-d" + std::to_string(d);
+      s.head_size = d;
+      s.q_len = n;
+      s.batch = std::max(1, 16384 / n);
+      v.push_back(s);
+    }
+  }
+  for (int n : quick ? std::vector<int>{8192} : std::vector<int>{4096, 8192, 16384}) {
+    Shape s;
+    s.group = "causal-d128-fp8";
+    s.kv = KVCacheDType::kFp8E4M3;
+    s.q_len = n;
+    s.batch = std::max(1, 16384 / n);
+    v.push_back(s);
+  }
+  // Chunked prefill with few heads per GPU (tensor parallel 4: 8 query heads, 1 KV head).
+  for (int ctx : quick ? std::vector<int>{16384} : std::vector<int>{8192, 16384, 32768}) {
+    for (int chunk : quick ? std::vector<int>{512} : std::vector<int>{256, 512, 1024}) {
+      Shape s;
+      s.group = "chunked-h8/1";
+      s.num_heads = 8;
+      s.num_kv_heads = 1;
+      s.context = ctx;
+      s.q_len = chunk;
+      v.push_back(s);
+    }
+  }
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out = "bench_prefill.json";
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--out" && i + 1 < argc) {
+      out = argv[++i];
+    } else if (a == "--quick") {
+      quick = true;
+    } else {
+      std::fprintf(stderr, "usage: bench_prefill [--out FILE] [--quick]\n");
+      return 2;
+    }
+  }
+  try {
+    const Backend* backend = default_registry().find("cuda");
+    if (backend == nullptr) {
+      std::fprintf(stderr, "bench_prefill: this build has no cuda backend\n");
+      return 2;
+    }
+    cudaDeviceProp prop{};
+    BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+    cudaStream_t stream;
+    BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::mt19937 rng(20261202);
+    json doc;
+    doc["gpu"] = prop.name;
+    doc["sms"] = prop.multiProcessorCount;
+    json results = json::array();
+    for (const Shape& s : shapes(quick)) {
+      json r = run_point(*backend, s, quick, rng, stream);
+      if (r.contains("us")) {
+        std::printf("%-52s %10.1f us  %6.1f TFLOP/s\n", r["label"].get<std::string>().c_str(),
+                    r["us"].get<double>(), r["tflops"].get<double>());
+      } else {
+        std::printf("%-52s skipped: %s\n", r["label"].get<std::string>().c_str(),
+                    r["skipped"].get<std::string>().c_str());
+      }
+      std::fflush(stdout);
+      results.push_back(r);
+    }
+    doc["results"] = results;
+    std::ofstream(out) << doc.dump(1) << "\n";
+    BENCH_CUDA(cudaStreamDestroy(stream));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_prefill: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,90 @@
+// Tile sizes of the prefill family (the portable tensor-core kernel for long queries), each
+// with its reason. Host and device code both read these.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/decode/config.h"
+#include "pagedattn/dtype.h"
+
+namespace pagedattn::cuda::prefill {
+
+using decode::KVKind;
+
+/// Requests with at most this many packed query rows (q_len * G) stay on the decode kernel
+/// when the prefill kernel runs beside it: four decode CTAs of 16 rows share the KV through
+/// L2 and split long contexts, where one 128-row prefill CTA would be half empty.
+inline constexpr int kDecodeMaxRows = 64;
+/// Stages of the K/V ring: two, as FlashAttention-2 keeps; the second CTA on the SM (d <= 128)
+/// hides the rest of the load latency, and d > 128 has no room for a third.
+inline constexpr int kStages = 2;
+
+/// Byte offsets of the dynamic shared memory of one CTA. Rows are padded by 16 bytes (the
+/// decode family's reason: 8 ldmatrix rows land in 8 bank groups without a swizzle).
+struct SmemLayout {
+  int q_row_bytes = 0;     ///< Q tile [kBlockM][head_size] 16-bit
+  int kv_row_bytes = 0;    ///< raw cache rows of a stage
+  int conv_row_bytes = 0;  ///< fp8 only: rows of the widened (16-bit) K and V of a stage
+  int stage_bytes = 0;     ///< K tile then V tile, block_n rows each
+  int stage_offset = 0;    ///< [kStages] stage tiles
+  int conv_offset = 0;     ///< [2][block_n] widened rows
+  int rows_offset = 0;     ///< [2 slots][block_n][K, V] int64 byte offsets of a tile's rows
+  int total = 0;
+};
+
+constexpr SmemLayout smem_layout(int head_size, int kv_elem_bytes, int block_m, int block_n) {
+  SmemLayout s;
+  s.q_row_bytes = head_size * 2 + 16;
+  s.kv_row_bytes = head_size * kv_elem_bytes + 16;
+  s.conv_row_bytes = kv_elem_bytes == 1 ? head_size * 2 + 16 : 0;
+  s.stage_bytes = 2 * block_n * s.kv_row_bytes;
+  s.stage_offset = block_m * s.q_row_bytes;
+  s.conv_offset = s.stage_offset + kStages * s.stage_bytes;
+  s.rows_offset = s.conv_offset + 2 * block_n * s.conv_row_bytes;
+  s.total = s.rows_offset + 2 * block_n * 2 * 8;
+  return s;
+}
+
+/// One compiled prefill kernel: 16-bit activations over a cache of the same type (kSame) or
+/// fp8 (kFp8, widened exactly in shared memory once per stage).
+template <DType kAct, KVKind kKV, int kHeadSize>
+struct Traits {
+  static constexpr DType act = kAct;
+  static constexpr KVKind kv = kKV;
+  static constexpr int head_size = kHeadSize;
+  static_assert(kAct == DType::kF16 || kAct == DType::kBF16);
+  static_assert(kKV == KVKind::kSame || kKV == KVKind::kFp8);
+  static_assert(kHeadSize % 16 == 0 && kHeadSize <= 256);
+  /// m16 row tiles per warp. Two (32 rows) reuse every K / V fragment read from shared memory
+  /// for two MMAs, which halves the shared-memory traffic per FLOP (one m16n8k16 per clock
+  /// needs 256 B of B fragments with one tile, 128 B/clk is the SM's bandwidth); O then takes
+  /// head_size floats per thread, which fits in 255 registers only up to head size 128.
+  static constexpr int kMt = kHeadSize <= 128 ? 2 : 1;
+  /// 4 warps x 32 rows or 8 warps x 16 rows: 128 packed query rows per CTA either way.
+  static constexpr int kWarps = kHeadSize <= 128 ? 4 : 8;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRowsPerWarp = 16 * kMt;
+  static constexpr int kBlockM = kWarps * kRowsPerWarp;
+  /// Keys per pipeline stage (kBlockN / 8 n tiles of S per warp): 64 where ptxas fits the
+  /// kernel in 255 registers without spilling, else 32. [ptxas, bf16, 64 -> 32 keys] d80: 40
+  /// -> 0 bytes spilled, d96: 112 -> 0, d128: 176 -> 32, d256: 336 -> 0; d64 and d192 spill
+  /// nothing (4 bytes at d192) with 64.
+#ifdef PAGEDATTN_PREFILL_BLOCK_N  // experiments: one tile width for every instance
+  static constexpr int kBlockN = PAGEDATTN_PREFILL_BLOCK_N;
+#else
+  static constexpr int kBlockN = kHeadSize == 64 || kHeadSize == 192 ? 64 : 32;
+#endif
+  static constexpr int kKvBytes = kKV == KVKind::kSame ? 2 : 1;
+  static constexpr SmemLayout layout() {
+    return smem_layout(kHeadSize, kKvBytes, kBlockM, kBlockN);
+  }
+  /// Two CTAs of 4 warps per SM where the shared memory allows it (d <= 128): the bound caps
+  /// registers at 255. 8-warp CTAs take one (two would cap registers at 128: ptxas spilled).
+  static constexpr int kMinCtasPerSm =
+      kWarps == 4 && layout().total <= decode::kTwoCtaSmemBudget ? 2 : 1;
+  static_assert(layout().total <= decode::kMaxSmemPerCta);
+  /// Split boundaries fall on whole tiles.
+  static constexpr int kSplitAlign = kBlockN;
+};
+
+}  // namespace pagedattn::cuda::prefill

@@ -1,0 +1,39 @@
+// Host interface of the prefill family: the compiled instances (one flat table) and their
+// selection. The kernels take the decode family's parameters (decode/params.h): both read the
+// same metadata, cache and outputs, and split partials go through the same combine kernel.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <vector>
+
+#include "cuda/decode/params.h"
+#include "cuda/prefill/config.h"
+#include "pagedattn/dtype.h"
+
+namespace pagedattn::cuda::prefill {
+
+/// One compiled prefill kernel.
+struct PrefillKernel {
+  DType act;
+  KVKind kv;
+  int head_size;
+  int block_m;  ///< packed query rows per CTA: num_q_tiles = ceil(max_query_len * G / block_m)
+  void (*launch)(const decode::DecodeParams& params, cudaStream_t stream);
+  int (*ctas_per_sm)(int device);
+};
+
+/// Defined in kernel.cuh, explicitly instantiated by inst/*.cu.
+template <class TraitsT>
+struct PrefillOps {
+  static void launch(const decode::DecodeParams& params, cudaStream_t stream);
+  static int ctas_per_sm(int device);
+};
+
+const std::vector<PrefillKernel>& prefill_kernels();
+
+/// The compiled kernel for (act, cache, head_size), or nullptr (float32 activations, mixed
+/// 16-bit types and head sizes not compiled stay on the decode family's kernels).
+const PrefillKernel* find_prefill(DType act, DType cache, int head_size);
+
+}  // namespace pagedattn::cuda::prefill
