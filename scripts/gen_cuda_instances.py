@@ -38,6 +38,9 @@ DECODE_GENERIC = ACTIVATIONS
 COMBINE = ACTIVATIONS
 # prefill, tensor cores: the decode tensor-core set (long queries; other dtypes stay on decode).
 PREFILL = DECODE_MMA
+# prefill, Hopper (sm_90a wgmma): 16-bit activations over a cache of the same type, whole
+# 64-column panels.
+PREFILL_SM90 = [(a, d) for a in ["f16", "bf16"] for d in [64, 128, 256]]
 
 KV_KIND = {"same": "kSame", "fp8": "kFp8", "any": "kAny"}
 
@@ -94,6 +97,11 @@ def family_files():
             "prefill", "kernel.cuh", f"PrefillOps<Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {d}>>")
         inc.append(f"#if PAGEDATTN_CUDA_HEAD_SIZE_{d}\n"
                    f"PAGEDATTN_PREFILL_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {d})\n#endif\n")
+    for a, d in PREFILL_SM90:
+        files[CUDA / "prefill" / "inst" / f"prefill_sm90_{a}_d{d}.cu"] = instance_file(
+            "prefill", "sm90_kernel.cuh", f"PrefillSm90Ops<Sm90Traits<DType::{DTYPE[a]}, KVKind::kSame, {d}>>")
+        inc.append(f"#if PAGEDATTN_CUDA_HEAD_SIZE_{d}\n"
+                   f"PAGEDATTN_PREFILL_SM90_INSTANCE({DTYPE[a]}, {d})\n#endif\n")
     files[CUDA / "prefill" / "inst" / "instances.inc"] = "".join(inc)
     return files
 

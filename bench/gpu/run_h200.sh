@@ -57,6 +57,14 @@ if [ "${SKIP_BACKEND_OPS:-0}" != 1 ]; then
   grep -E "^backend |FAIL" "$OUT/backend_ops_prefill_all.log" | head -20 | tee -a "$summary"
   say "backend_ops (prefill all) rc=$rc"
   [ $rc -eq 0 ] || status=1
+  # And through the portable (mma.sync) prefill kernel, which Hopper otherwise does not run.
+  say "== backend_ops, PAGEDATTN_CUDA_PREFILL=all, PAGEDATTN_CUDA_PREFILL_KERNEL=portable  ($(elapsed))"
+  PAGEDATTN_CUDA_PREFILL=all PAGEDATTN_CUDA_PREFILL_KERNEL=portable timeout 240 "$backend_ops" \
+    test --device cuda --backend cuda >"$OUT/backend_ops_portable.log" 2>&1
+  rc=$?
+  grep -E "^backend |FAIL" "$OUT/backend_ops_portable.log" | head -20 | tee -a "$summary"
+  say "backend_ops (portable prefill) rc=$rc"
+  [ $rc -eq 0 ] || status=1
 fi
 
 # ---- 2. the GoogleTest binary (splits, graphs, checked mode, merge, amax) --------------------
@@ -129,6 +137,9 @@ if [ "${SKIP_PREFILL_BENCH:-0}" != 1 ]; then
   timeout 200 "$bench_prefill" --out "$SCRATCH/prefill_ours.json" "${quick[@]}" \
     >"$OUT/prefill.log" 2>&1
   say "bench_prefill rc=$?"
+  echo "---- portable (mma.sync) prefill kernel, quick matrix" >>"$OUT/prefill.log"
+  PAGEDATTN_CUDA_PREFILL_KERNEL=portable timeout 100 "$bench_prefill" --quick \
+    --out "$SCRATCH/prefill_portable.json" >>"$OUT/prefill.log" 2>&1
   peers=()
   if [ "${SKIP_PEERS:-0}" != 1 ]; then
     PYTHONUNBUFFERED=1 timeout 200 python3 bench/gpu/peers_prefill.py \

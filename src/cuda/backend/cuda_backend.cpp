@@ -48,6 +48,12 @@ BackendOptions backend_options_from_env() {
                 : v == "all" ? PrefillRoute::kAll
                              : PrefillRoute::kAuto;
   }
+  if (const char* s = std::getenv(kPrefillKernelEnvVar); s && *s) {
+    const std::string v(s);
+    require(v == "auto" || v == "portable", kPrefillKernelEnvVar, " ('", v,
+            "') must be auto or portable");
+    o.portable_prefill = v == "portable";
+  }
   return o;
 }
 
@@ -142,7 +148,8 @@ class CudaBackend final : public Backend {
       const prefill::PrefillKernel* pk =
           options_.prefill == PrefillRoute::kOff
               ? nullptr
-              : prefill::find_prefill(config.dtype, cache, config.head_size);
+              : prefill::find_prefill(config.dtype, cache, config.head_size,
+                                      device_props(device).cc_major, options_.portable_prefill);
       const int route = pk == nullptr                            ? -1
                         : options_.prefill == PrefillRoute::kAll ? 0
                                                                  : prefill::kDecodeMaxRows;

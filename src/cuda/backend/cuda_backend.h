@@ -15,6 +15,9 @@ inline constexpr const char* kSplitsEnvVar = "PAGEDATTN_CUDA_SPLITS";
 /// Environment variable that routes rows between the decode and prefill kernels:
 /// auto (default), off (the decode kernel takes every row), all (the prefill kernel does).
 inline constexpr const char* kPrefillEnvVar = "PAGEDATTN_CUDA_PREFILL";
+/// Environment variable that picks the prefill kernel: auto (default: the Hopper kernel on
+/// sm_90 where compiled) or portable (the mma.sync kernel everywhere; tests, comparisons).
+inline constexpr const char* kPrefillKernelEnvVar = "PAGEDATTN_CUDA_PREFILL_KERNEL";
 
 /// Which kernel takes which request's rows.
 enum class PrefillRoute {
@@ -32,9 +35,11 @@ struct BackendOptions {
   /// > 0: every plan uses this many KV splits instead of the heuristic's choice.
   int num_splits = 0;
   PrefillRoute prefill = PrefillRoute::kAuto;
+  bool portable_prefill = false;  ///< the mma.sync prefill kernel even on Hopper
 };
 
-/// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS and PAGEDATTN_CUDA_PREFILL.
+/// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS, PAGEDATTN_CUDA_PREFILL and
+/// PAGEDATTN_CUDA_PREFILL_KERNEL.
 BackendOptions backend_options_from_env();
 
 std::unique_ptr<Backend> make_backend(const BackendOptions& options = backend_options_from_env());

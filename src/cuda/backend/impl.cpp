@@ -63,7 +63,8 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
   decode_ = decode::find_decode(config.dtype, cache_dtype_, config.head_size);
   combine_ = decode::find_combine(config.dtype);
   if (route_ != PrefillRoute::kOff) {
-    prefill_ = prefill::find_prefill(config.dtype, cache_dtype_, config.head_size);
+    prefill_ = prefill::find_prefill(config.dtype, cache_dtype_, config.head_size,
+                                     device_props(device.index).cc_major, options.portable_prefill);
   }
   require<NotSupported>(decode_ != nullptr && combine_ != nullptr,
                         "cuda backend: no attention kernel compiled for ", dtype_name(config.dtype),

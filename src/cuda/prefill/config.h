@@ -88,3 +88,66 @@ struct Traits {
 };
 
 }  // namespace pagedattn::cuda::prefill
+
+namespace pagedattn::cuda::prefill {
+
+/// Shared memory of the Hopper kernel: every operand tile in 128-byte-swizzled panels of 64
+/// columns (the wgmma canonical layout), each panel base 1024-byte aligned.
+struct Sm90Layout {
+  int q_panel = 0;       ///< bytes of one Q panel: kBlockM rows x 128 B
+  int kv_panel = 0;      ///< bytes of one K (or V) panel: kBlockN rows x 128 B
+  int q_offset = 0;      ///< Q [panels][kBlockM][64]
+  int stage_offset = 0;  ///< [kStages] { K [panels][kBlockN][64], V the same }
+  int stage_bytes = 0;
+  int table_offset = 0;  ///< [kStages][kBlockN] {K, V} int64 row byte offsets (producer)
+  int bar_offset = 0;    ///< mbarriers: q_full, K full / V full / K empty / V empty [kStages]
+  int total = 0;         ///< including 1024 bytes to align the dynamic base
+};
+
+constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int stages) {
+  Sm90Layout s;
+  const int panels = head_size / 64;
+  s.q_panel = block_m * 128;
+  s.kv_panel = block_n * 128;
+  s.q_offset = 0;
+  s.stage_offset = panels * s.q_panel;
+  s.stage_bytes = 2 * panels * s.kv_panel;
+  s.table_offset = s.stage_offset + stages * s.stage_bytes;
+  s.bar_offset = s.table_offset + stages * block_n * 16;
+  s.total = s.bar_offset + (1 + 4 * stages) * 8 + 1024;
+  return s;
+}
+
+/// The Hopper (sm_90a) prefill kernel: a producer warpgroup gathers K/V rows with cp.async
+/// into a two-stage ring on mbarriers, two consumer warpgroups of 64 query rows run
+/// S = Q K^T (wgmma, both operands in smem) and O += P V (wgmma, P from registers).
+template <DType kAct, KVKind kKV, int kHeadSize>
+struct Sm90Traits {
+  static constexpr DType act = kAct;
+  static constexpr KVKind kv = kKV;
+  static constexpr int head_size = kHeadSize;
+  static_assert(kAct == DType::kF16 || kAct == DType::kBF16);
+  static_assert(kKV == KVKind::kSame, "fp8 caches use the portable kernel");
+  static_assert(kHeadSize % 64 == 0 && kHeadSize <= 256, "whole 128-byte panels");
+  static constexpr int kConsumers = 2;  ///< consumer warpgroups
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kBlockM = 64 * kConsumers;
+  /// Keys per stage: 128 (FA3's causal d128 tile), 64 at d256 where O takes 128 registers.
+#ifdef PAGEDATTN_SM90_BLOCK_N  // experiments
+  static constexpr int kBlockN = PAGEDATTN_SM90_BLOCK_N;
+  static constexpr int kStages = PAGEDATTN_SM90_STAGES;
+#else
+  static constexpr int kBlockN = kHeadSize <= 128 ? 128 : 64;
+  static constexpr int kStages = 2;
+#endif
+  static constexpr int kSplitAlign = kBlockN;
+  /// setmaxnreg budgets: 128 x 40 + 256 x 232 = 64512 <= 65536 registers.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr Sm90Layout layout() {
+    return sm90_layout(kHeadSize, kBlockM, kBlockN, kStages);
+  }
+  static_assert(layout().total <= decode::kMaxSmemPerCta);
+};
+
+}  // namespace pagedattn::cuda::prefill

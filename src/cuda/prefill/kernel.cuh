@@ -60,25 +60,31 @@ __device__ __forceinline__ ThreadRow thread_row(const DecodeParams& p, const dec
 }
 
 // Scale, soft cap, ALiBi and mask of one kBlockN-key tile of S for one m16 tile (this
-// thread's rows row_a and row_a + 8), then the online-softmax update: s becomes P, m / l / o
-// are rescaled.
-template <int kSn, int kNt>
-__device__ __forceinline__ void softmax_block(const DecodeParams& p, const decode::Work& w,
-                                              float (&s)[kSn][4], int row_a, int tile_start,
-                                              bool need_mask, int t4, float (&m)[2], float (&l)[2],
-                                              float (&o)[kNt][4]) {
+// thread's rows row_a and row_a + 8), then the online-softmax update of m and l: s becomes P
+// and corr the factor O must be rescaled by (rescale_o; the Hopper kernel does that only once
+// the previous P V has finished).
+template <int kSn>
+__device__ __forceinline__ void softmax_scores(const DecodeParams& p, const decode::Work& w,
+                                               float (&s)[kSn][4], int row_a, int tile_start,
+                                               bool need_mask, int t4, float (&m)[2], float (&l)[2],
+                                               float (&corr)[2]) {
+  // Without soft cap or ALiBi the scores stay raw and the scale joins the exponent (one FFMA
+  // per score instead of a multiply and a subtraction; max(s) * f = max(s * f) for f > 0).
+  float f = p.scale_log2;
   if (p.softcap > 0.0f) {
 #pragma unroll
     for (int nt = 0; nt < kSn; ++nt) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) s[nt][c] = p.softcap_log2 * tanhf(s[nt][c] * p.softcap_arg_scale);
     }
-  } else {
+    f = 1.0f;
+  } else if (p.alibi_slopes != nullptr) {
 #pragma unroll
     for (int nt = 0; nt < kSn; ++nt) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) s[nt][c] *= p.scale_log2;
     }
+    f = 1.0f;
   }
   if (p.alibi_slopes != nullptr || need_mask) {
     const ThreadRow rows[2] = {thread_row(p, w, row_a), thread_row(p, w, row_a + 8)};
@@ -95,7 +101,7 @@ __device__ __forceinline__ void softmax_block(const DecodeParams& p, const decod
       }
     }
   }
-  float corr[2], base[2];
+  float base[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = -INFINITY;
@@ -103,7 +109,7 @@ __device__ __forceinline__ void softmax_block(const DecodeParams& p, const decod
     for (int nt = 0; nt < kSn; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a quad holds a row's keys
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[h], mx);
+    const float m_new = fmaxf(m[h], mx * f);
     base[h] = m_new == -INFINITY ? 0.0f : m_new;  // no visible key yet: no NaN
     corr[h] = exp2f(m[h] - base[h]);
     m[h] = m_new;
@@ -113,18 +119,123 @@ __device__ __forceinline__ void softmax_block(const DecodeParams& p, const decod
   for (int nt = 0; nt < kSn; ++nt) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      s[nt][c] = exp2f(s[nt][c] - base[c >> 1]);
+      s[nt][c] = exp2f(fmaf(s[nt][c], f, -base[c >> 1]));
       sum[c >> 1] += s[nt][c];
     }
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) l[h] = l[h] * corr[h] + sum[h];
+}
+
+template <int kNt>
+__device__ __forceinline__ void rescale_o(float (&o)[kNt][4], const float (&corr)[2]) {
 #pragma unroll
   for (int nt = 0; nt < kNt; ++nt) {
     o[nt][0] *= corr[0];
     o[nt][1] *= corr[0];
     o[nt][2] *= corr[1];
     o[nt][3] *= corr[1];
+  }
+}
+
+// The CTA's request, KV head, rows and split of keys (grid.x: q tile slowest and reversed,
+// so the tiles with the most causal keys start first; grid.y: the split). False when the CTA
+// has no rows: a request of the decode kernel's (q_len * G <= route_rows) or a q tile past
+// the request's query.
+__device__ __forceinline__ bool prefill_work(const DecodeParams& p, int block_m, int split_align,
+                                             decode::Work& w) {
+  const int per_tile = p.num_seqs * p.num_kv_heads;
+  const int x = int(blockIdx.x), tile_rank = x / per_tile, rem = x - tile_rank * per_tile;
+  w.r = rem / p.num_kv_heads;
+  w.kv_head = rem - w.r * p.num_kv_heads;
+  w.q_begin = p.query_start_loc[w.r];
+  w.q_len = p.query_start_loc[w.r + 1] - w.q_begin;
+  w.kv_len = p.kv_direct ? w.q_len : p.seq_lens[w.r];
+  w.row0 = (p.num_q_tiles - 1 - tile_rank) * block_m;
+  const int rows_total = w.q_len * p.group;
+  if (rows_total <= p.route_rows || w.row0 >= rows_total) return false;
+  w.num_rows = min(block_m, rows_total - w.row0);
+  const decode::RowRange first = decode::row_range(p, w, 0);
+  const decode::RowRange last = decode::row_range(p, w, w.num_rows - 1);
+  const int range_lo = first.lo, range_hi = max(last.hi, first.lo);
+  const int chunk =
+      ceil_div(ceil_div(range_hi - range_lo, p.num_splits), split_align) * split_align;
+  w.kv_begin = min(range_lo + int(blockIdx.y) * chunk, range_hi);
+  w.kv_end = min(w.kv_begin + chunk, range_hi);
+  return true;
+}
+
+// Keys that rows [row_first, row_last] (CTA-local) can see, clamped to the split: tiles
+// outside [lo, hi) are skipped; tiles inside [mask_lo, mask_hi) need no mask.
+struct RowsSpan {
+  int lo = 0, hi = 0, mask_lo = 0, mask_hi = 0;
+};
+__device__ __forceinline__ RowsSpan rows_span(const DecodeParams& p, const decode::Work& w,
+                                              int row_first, int row_last) {
+  const decode::RowRange a = decode::row_range(p, w, row_first);
+  const decode::RowRange b = decode::row_range(p, w, row_last);
+  return RowsSpan{max(a.lo, w.kv_begin), min(b.hi, w.kv_end), max(b.lo, w.kv_begin),
+                  min(a.hi, w.kv_end)};
+}
+
+// Rows row_a and row_a + 8 (CTA-local) of one m16 tile out: normalise, v scale, sinks; the
+// output and LSE, or the split partials. o, m, l are this thread's accumulator fragment.
+template <DType kAct, int kNt>
+__device__ __forceinline__ void store_rows(const DecodeParams& p, const decode::Work& w,
+                                           const float (&o)[kNt][4], const float (&m)[2],
+                                           const float (&l)[2], int row_a, int t4) {
+  constexpr int D = kNt * 8;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = l[h];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int row = row_a + 8 * h;
+    if (row >= w.num_rows) continue;
+    const int pr = w.row0 + row;
+    const int t = w.q_begin + pr / p.group, head = w.kv_head * p.group + pr % p.group;
+    float lse2 = sum > 0.0f ? m[h] + log2f(sum) : -INFINITY;
+    float factor = sum > 0.0f ? p.v_scale / sum : 0.0f;
+    if (p.num_splits > 1) {
+      const int64_t at = (int64_t(blockIdx.y) * p.num_actual_tokens + t) * p.num_heads + head;
+      float* dst = p.partial_o + at * D + 2 * t4;
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+        *reinterpret_cast<float2*>(dst + nt * 8) =
+            make_float2(o[nt][2 * h] * factor, o[nt][2 * h + 1] * factor);
+      }
+      if (t4 == 0) p.partial_lse[at] = lse2;
+      continue;
+    }
+    if (p.sinks != nullptr) {  // the sink joins the denominator only (spec 4.12)
+      const float sink2 = p.sinks[head] * kLog2e;
+      const float mx = fmaxf(lse2, sink2);
+      const float total = mx + log2f(exp2f(lse2 - mx) + exp2f(sink2 - mx));
+      factor *= exp2f(lse2 - total);
+      lse2 = total;
+    }
+    char* out =
+        static_cast<char*>(p.out) +
+        (int64_t(t) * p.out_stride_token + int64_t(head) * p.out_stride_head) * kElemBytes<kAct>;
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+      const float x0 = o[nt][2 * h] * factor, x1 = o[nt][2 * h + 1] * factor;
+      const int col = nt * 8 + 2 * t4;
+      if (p.vec_out) {
+        *reinterpret_cast<uint32_t*>(out + col * 2) = pack2<kAct>(x0, x1);
+      } else {
+        store_from_float<kAct>(out, col, x0);
+        store_from_float<kAct>(out, col + 1, x1);
+      }
+    }
+    if (p.lse != nullptr && t4 == 0) {
+      const int64_t at = int64_t(head) * p.lse_stride_head + int64_t(t) * p.lse_stride_token;
+      if (p.lse_is_f64) {
+        static_cast<double*>(p.lse)[at] = double(lse2 * kLn2);
+      } else {
+        static_cast<float*>(p.lse)[at] = lse2 * kLn2;
+      }
+    }
   }
 }
 
@@ -149,43 +260,14 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
   sm80::launch_dependent_grids();
 
   decode::Work w;
-  {
-    const int per_tile = p.num_seqs * p.num_kv_heads;
-    const int x = int(blockIdx.x), tile_rank = x / per_tile, rem = x - tile_rank * per_tile;
-    w.r = rem / p.num_kv_heads;
-    w.kv_head = rem - w.r * p.num_kv_heads;
-    w.q_begin = p.query_start_loc[w.r];
-    w.q_len = p.query_start_loc[w.r + 1] - w.q_begin;
-    w.kv_len = p.kv_direct ? w.q_len : p.seq_lens[w.r];
-    w.row0 = (p.num_q_tiles - 1 - tile_rank) * T::kBlockM;
-  }
-  const int rows_total = w.q_len * p.group;
-  if (rows_total <= p.route_rows || w.row0 >= rows_total) return;
-  w.num_rows = min(T::kBlockM, rows_total - w.row0);
-  {
-    const decode::RowRange first = decode::row_range(p, w, 0);
-    const decode::RowRange last = decode::row_range(p, w, w.num_rows - 1);
-    const int range_lo = first.lo, range_hi = max(last.hi, first.lo);
-    const int chunk =
-        ceil_div(ceil_div(range_hi - range_lo, p.num_splits), T::kSplitAlign) * T::kSplitAlign;
-    w.kv_begin = min(range_lo + int(blockIdx.y) * chunk, range_hi);
-    w.kv_end = min(w.kv_begin + chunk, range_hi);
-  }
+  if (!prefill_work(p, T::kBlockM, T::kSplitAlign, w)) return;
 
-  // This warp's rows and the keys they can see: tiles outside [warp_lo, warp_hi) are skipped,
-  // tiles inside [mask_lo, mask_hi) need no mask.
+  // This warp's rows and the keys they can see (tiles outside span.lo..hi are skipped).
   const int wrow0 = warp * T::kRowsPerWarp;
   const bool warp_active = wrow0 < w.num_rows;
-  int warp_lo = 0, warp_hi = 0, mask_lo = 0, mask_hi = 0;
-  if (warp_active) {
-    const decode::RowRange a = decode::row_range(p, w, wrow0);
-    const decode::RowRange b =
-        decode::row_range(p, w, min(wrow0 + T::kRowsPerWarp, w.num_rows) - 1);
-    warp_lo = max(a.lo, w.kv_begin);
-    warp_hi = min(b.hi, w.kv_end);
-    mask_lo = max(b.lo, w.kv_begin);
-    mask_hi = min(a.hi, w.kv_end);
-  }
+  const RowsSpan span = warp_active
+                            ? rows_span(p, w, wrow0, min(wrow0 + T::kRowsPerWarp, w.num_rows) - 1)
+                            : RowsSpan{};
 
   // ---- Q tile (first copy group, with K/V tile 0) ----
   {
@@ -327,8 +409,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
       row_bytes = lay.conv_row_bytes;
     }
     const int ts = w.kv_begin + k * kBlockN;
-    if (warp_active && ts < warp_hi && ts + kBlockN > warp_lo) {  // warp-uniform
-      const bool need_mask = !(ts >= mask_lo && ts + kBlockN <= mask_hi);
+    if (warp_active && ts < span.hi && ts + kBlockN > span.lo) {  // warp-uniform
+      const bool need_mask = !(ts >= span.mask_lo && ts + kBlockN <= span.mask_hi);
       float s[kMt][kSn][4];
 #pragma unroll
       for (int mt = 0; mt < kMt; ++mt) {
@@ -355,9 +437,12 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
         }
       }
 #pragma unroll
-      for (int mt = 0; mt < kMt; ++mt)
-        softmax_block<kSn, kNt>(p, w, s[mt], wrow0 + mt * 16 + g, ts, need_mask, t4, m[mt], l[mt],
-                                o[mt]);
+      for (int mt = 0; mt < kMt; ++mt) {
+        float corr[2];
+        softmax_scores<kSn>(p, w, s[mt], wrow0 + mt * 16 + g, ts, need_mask, t4, m[mt], l[mt],
+                            corr);
+        rescale_o(o[mt], corr);
+      }
       const uint32_t v_lane =
           sm80::smem_addr(kt + kBlockN * row_bytes) + vb_row * row_bytes + vb_col * 2;
 #pragma unroll
@@ -386,62 +471,10 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
   }
   sm80::cp_async_wait<0>();
 
-  // ---- rows out: normalise, v scale, sinks; the output and LSE, or the split partials ----
+  // ---- rows out ----
 #pragma unroll
-  for (int mt = 0; mt < kMt; ++mt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float sum = l[mt][h];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int row = wrow0 + mt * 16 + g + 8 * h;
-      if (row >= w.num_rows) continue;
-      const int pr = w.row0 + row;
-      const int t = w.q_begin + pr / p.group, head = w.kv_head * p.group + pr % p.group;
-      float lse2 = sum > 0.0f ? m[mt][h] + log2f(sum) : -INFINITY;
-      float factor = sum > 0.0f ? p.v_scale / sum : 0.0f;
-      if (p.num_splits > 1) {
-        const int64_t at = (int64_t(blockIdx.y) * p.num_actual_tokens + t) * p.num_heads + head;
-        float* dst = p.partial_o + at * D + 2 * t4;
-#pragma unroll
-        for (int nt = 0; nt < kNt; ++nt) {
-          *reinterpret_cast<float2*>(dst + nt * 8) =
-              make_float2(o[mt][nt][2 * h] * factor, o[mt][nt][2 * h + 1] * factor);
-        }
-        if (t4 == 0) p.partial_lse[at] = lse2;
-        continue;
-      }
-      if (p.sinks != nullptr) {  // the sink joins the denominator only (spec 4.12)
-        const float sink2 = p.sinks[head] * kLog2e;
-        const float mx = fmaxf(lse2, sink2);
-        const float total = mx + log2f(exp2f(lse2 - mx) + exp2f(sink2 - mx));
-        factor *= exp2f(lse2 - total);
-        lse2 = total;
-      }
-      char* out = static_cast<char*>(p.out) +
-                  (int64_t(t) * p.out_stride_token + int64_t(head) * p.out_stride_head) *
-                      kElemBytes<T::act>;
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
-        const float x0 = o[mt][nt][2 * h] * factor, x1 = o[mt][nt][2 * h + 1] * factor;
-        const int col = nt * 8 + 2 * t4;
-        if (p.vec_out) {
-          *reinterpret_cast<uint32_t*>(out + col * 2) = pack2<T::act>(x0, x1);
-        } else {
-          store_from_float<T::act>(out, col, x0);
-          store_from_float<T::act>(out, col + 1, x1);
-        }
-      }
-      if (p.lse != nullptr && t4 == 0) {
-        const int64_t at = int64_t(head) * p.lse_stride_head + int64_t(t) * p.lse_stride_token;
-        if (p.lse_is_f64) {
-          static_cast<double*>(p.lse)[at] = double(lse2 * kLn2);
-        } else {
-          static_cast<float*>(p.lse)[at] = lse2 * kLn2;
-        }
-      }
-    }
-  }
+  for (int mt = 0; mt < kMt; ++mt)
+    store_rows<T::act>(p, w, o[mt], m[mt], l[mt], wrow0 + mt * 16 + g, t4);
 }
 
 // Raises the kernel's dynamic shared memory limit once per device.

@@ -18,6 +18,7 @@ struct PrefillKernel {
   DType act;
   KVKind kv;
   int head_size;
+  int sm;       ///< 80: the portable mma.sync kernel; 90: the Hopper wgmma kernel (sm_90 only)
   int block_m;  ///< packed query rows per CTA: num_q_tiles = ceil(max_query_len * G / block_m)
   void (*launch)(const decode::DecodeParams& params, cudaStream_t stream);
   int (*ctas_per_sm)(int device);
@@ -30,10 +31,19 @@ struct PrefillOps {
   static int ctas_per_sm(int device);
 };
 
+template <class TraitsT>
+struct PrefillSm90Ops {
+  static void launch(const decode::DecodeParams& params, cudaStream_t stream);
+  static int ctas_per_sm(int device);
+};
+
 const std::vector<PrefillKernel>& prefill_kernels();
 
-/// The compiled kernel for (act, cache, head_size), or nullptr (float32 activations, mixed
-/// 16-bit types and head sizes not compiled stay on the decode family's kernels).
-const PrefillKernel* find_prefill(DType act, DType cache, int head_size);
+/// The compiled kernel for (act, cache, head_size) on a device of compute capability
+/// `cc_major`: the Hopper kernel on sm_90 when one is compiled and `portable` is false, else
+/// the portable one; nullptr when neither is (float32 activations, mixed 16-bit types and head
+/// sizes not compiled stay on the decode family's kernels).
+const PrefillKernel* find_prefill(DType act, DType cache, int head_size, int cc_major,
+                                  bool portable = false);
 
 }  // namespace pagedattn::cuda::prefill

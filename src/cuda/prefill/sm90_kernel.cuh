@@ -1,0 +1,360 @@
+// Paged attention for long queries on Hopper (sm_90a): warp-specialised wgmma kernel.
+//
+// Map
+//   computes  what prefill/kernel.cuh computes (same rows, routing, splits, masks, features and
+//             outputs: prefill_work, softmax_scores and store_rows are shared), for 16-bit
+//             activations over a cache of the same type at head sizes 64, 128, 256.
+//   grid      as the portable kernel: x = q tiles (slowest, reversed) x requests x KV heads,
+//             y = splits; kBlockM = 128 packed rows per CTA, 384 threads.
+//   warps     warpgroup 0 (producer, 40 registers): Q once, then the K and the V tile of
+//             kBlockN keys into two-stage rings of their own: row byte offsets from the block
+//             table into a smem table (one row per thread), a named barrier, then 16-byte
+//             cp.async of every row's chunks into 128-byte-swizzled panels, whose completion
+//             arrives on the stage's `full` mbarrier (cp.async.mbarrier.arrive.noinc: the
+//             producer never waits for its own copies). Warpgroups 1-2 (consumers, 232
+//             registers) own 64 rows each and overlap the tensor cores with the softmax as
+//             FlashAttention-3 does: iteration j issues S_j = Q K_j^T (wgmma SS) and then
+//             O += P_{j-1} V_{j-1} (wgmma RS, V MN-major), waits for S_j only, runs the softmax
+//             of S_j (the portable kernel's, on the same fragment layout) while P V runs, then
+//             waits for P V, rescales O and packs P_j. K_j is released as soon as S_j is done,
+//             V_{j-1} after its P V: the producer refills K a whole iteration before it is read.
+//   sync      mbarriers through CCCL's cuda::ptx (phases flip every kStages tiles); each
+//             consumer thread fences the async proxy after a `full` wait, before its wgmmas
+//             read what cp.async (generic proxy) wrote.
+//   test      backend_ops (cuda, every feature), and the same with PAGEDATTN_CUDA_PREFILL=all;
+//             bench/gpu/bench_prefill; the SASS shows HGMMA (docs/kernel_notes.md).
+#pragma once
+
+#include <cuda/ptx>
+
+#include "cuda/arch/sm90/wgmma.cuh"
+#include "cuda/prefill/kernel.cuh"
+
+namespace pagedattn::cuda::prefill {
+
+namespace ptx = ::cuda::ptx;
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  while (!ptx::mbarrier_try_wait_parity(bar, parity)) {
+  }
+}
+
+// The CTA's mbarriers: q_full, then per stage the K and V `full` (producer -> consumers) and
+// `empty` (consumers -> producer) barriers.
+template <int kStages>
+struct Barriers {
+  uint64_t* base;
+  __device__ uint64_t* q_full() const { return base; }
+  __device__ uint64_t* k_full(int s) const { return base + 1 + s; }
+  __device__ uint64_t* v_full(int s) const { return base + 1 + kStages + s; }
+  __device__ uint64_t* k_empty(int s) const { return base + 1 + 2 * kStages + s; }
+  __device__ uint64_t* v_empty(int s) const { return base + 1 + 3 * kStages + s; }
+};
+
+template <class T>
+__device__ __forceinline__ void produce(const DecodeParams& p, const decode::Work& w,
+                                        unsigned char* smem, Barriers<T::kStages> bars,
+                                        int n_tiles);
+template <class T>
+__device__ __forceinline__ void consume(const DecodeParams& p, const decode::Work& w,
+                                        unsigned char* smem, Barriers<T::kStages> bars,
+                                        int n_tiles);
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    prefill_sm90_kernel(const __grid_constant__ DecodeParams p) {
+  constexpr Sm90Layout lay = T::layout();
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* const smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  sm80::grid_dependency_wait();
+  sm80::launch_dependent_grids();
+
+  decode::Work w;
+  if (!prefill_work(p, T::kBlockM, T::kSplitAlign, w)) return;
+  const int n_tiles = ceil_div(w.kv_end - w.kv_begin, T::kBlockN);
+
+  const Barriers<T::kStages> bars{reinterpret_cast<uint64_t*>(smem + lay.bar_offset)};
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(bars.q_full(), 128);
+    for (int s = 0; s < T::kStages; ++s) {
+      ptx::mbarrier_init(bars.k_full(s), 128);  // one cp.async arrival per producer thread
+      ptx::mbarrier_init(bars.v_full(s), 128);
+      ptx::mbarrier_init(bars.k_empty(s), 128 * T::kConsumers);
+      ptx::mbarrier_init(bars.v_empty(s), 128 * T::kConsumers);
+    }
+    ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
+  }
+  __syncthreads();
+  // One branch per role, as setmaxnreg requires.
+  if (threadIdx.x < 128) {
+    produce<T>(p, w, smem, bars, n_tiles);
+  } else {
+    consume<T>(p, w, smem, bars, n_tiles);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void produce(const DecodeParams& p, const decode::Work& w,
+                                        unsigned char* smem, Barriers<T::kStages> bars,
+                                        int n_tiles) {
+  constexpr int D = T::head_size, kBlockN = T::kBlockN, kBlockM = T::kBlockM;
+  constexpr int kStages = T::kStages, kChunks = D / 8;
+  constexpr Sm90Layout lay = T::layout();
+  sm90::setmaxnreg_dec<T::kProducerRegs>();
+  const int ct = int(threadIdx.x);
+  // Q: packed row r -> token r / G, head kv_head * G + r % G; zeros past the rows.
+  for (int c = ct; c < kBlockM * kChunks; c += 128) {
+    const int row = c / kChunks, col = c - row * kChunks;
+    unsigned char* dst =
+        smem + lay.q_offset + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7);
+    const char* src = nullptr;
+    if (row < w.num_rows) {
+      const int pr = w.row0 + row;
+      const int head = w.kv_head * p.group + pr % p.group;
+      src =
+          static_cast<const char*>(p.q) + ((int64_t(w.q_begin) + pr / p.group) * p.q_stride_token +
+                                           int64_t(head) * p.q_stride_head + col * 8) *
+                                              kElemBytes<T::act>;
+    }
+    if (p.vec_q) {
+      sm80::cp_async_16(sm80::smem_addr(dst), src != nullptr ? src : p.q, src != nullptr ? 16 : 0,
+                        0);
+    } else {
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      if (src != nullptr) {
+        uint16_t* r16 = reinterpret_cast<uint16_t*>(&raw);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) r16[e] = reinterpret_cast<const uint16_t*>(src)[e];
+      }
+      *reinterpret_cast<uint4*>(dst) = raw;
+    }
+  }
+  ptx::cp_async_mbarrier_arrive_noinc(bars.q_full());
+
+  const int64_t k_sb = p.k_stride_block * 2, k_sp = p.k_stride_page * 2;
+  const int64_t v_sb = p.v_stride_block * 2, v_sp = p.v_stride_page * 2;
+  const char* const k_head =
+      static_cast<const char*>(p.k) + int64_t(w.kv_head) * p.k_stride_head * 2;
+  const char* const v_head =
+      static_cast<const char*>(p.v) + int64_t(w.kv_head) * p.v_stride_head * 2;
+  const int bs_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
+  const int32_t* const bt_row = p.block_table + int64_t(w.r) * p.block_table_stride_seq;
+  // Every chunk of the tile's rows (16 B each) into the swizzled panels of `dst`; `pick` 0
+  // copies K (table .x), 1 copies V (table .y).
+  // Thread ct copies chunk column ct % kChunks of rows ct / kChunks + i * kRowsPerPass: its
+  // column, panel and (for passes of 8 or 16 rows) swizzle stay fixed, so a chunk costs one
+  // table read, one add and the copy (the per-chunk index math was most of the producer's
+  // ALU work: ncu showed the ALU pipe as the busiest at 36%).
+  constexpr int kRowsPerPass = 128 / kChunks;
+  static_assert(128 % kChunks == 0 && kBlockN % kRowsPerPass == 0);
+  const int col = ct % kChunks, r0 = ct / kChunks;
+  const uint32_t col_at = (col >> 3) * lay.kv_panel;
+  const int col_bytes = col * 16;
+  auto copy_tile = [&](unsigned char* dst, const char* head, const int64_t* table, int pick) {
+    const uint32_t dst0 = sm80::smem_addr(dst) + col_at;
+#pragma unroll 4
+    for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+      const int row = r0 + i * kRowsPerPass;
+      const int64_t off = table[2 * row + pick];
+      sm80::cp_async_16(dst0 + sm90::sw128_offset(row, col & 7),
+                        head + (off >= 0 ? off : 0) + col_bytes, off >= 0 ? 16 : 0, 0);
+    }
+  };
+  for (int j = 0; j < n_tiles; ++j) {
+    const int s = j % kStages;
+    const uint32_t free_parity = ((j / kStages) & 1) ^ 1;  // tile j - kStages released
+    int64_t* const table = reinterpret_cast<int64_t*>(smem + lay.table_offset) + s * 2 * kBlockN;
+    if (ct < kBlockN) {
+      const int pos = w.kv_begin + j * kBlockN + ct;
+      int64_t k_off = -1, v_off = -1;  // -1: past the split (zero-filled, masked)
+      if (pos < w.kv_end) {
+        if (p.kv_direct) {
+          k_off = (int64_t(w.q_begin) + pos) * k_sb;
+          v_off = (int64_t(w.q_begin) + pos) * v_sb;
+        } else {
+          const int lb = bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size;
+          const int off = pos - lb * p.block_size;
+          const int64_t block = bt_row[int64_t(lb) * p.block_table_stride_block];
+          k_off = block * k_sb + off * k_sp;
+          v_off = block * v_sb + off * v_sp;
+        }
+      }
+      table[2 * ct] = k_off;
+      table[2 * ct + 1] = v_off;
+    }
+    sm90::named_barrier_sync(1, 128);  // the table is complete (and slot s of tile j - 2 unread)
+    unsigned char* const sk = smem + lay.stage_offset + s * lay.stage_bytes;
+    mbar_wait(bars.k_empty(s), free_parity);
+    copy_tile(sk, k_head, table, 0);
+    ptx::cp_async_mbarrier_arrive_noinc(bars.k_full(s));
+    mbar_wait(bars.v_empty(s), free_parity);
+    copy_tile(sk + (D / 64) * lay.kv_panel, v_head, table, 1);
+    ptx::cp_async_mbarrier_arrive_noinc(bars.v_full(s));
+  }
+  sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
+}
+
+template <class T>
+__device__ __forceinline__ void consume(const DecodeParams& p, const decode::Work& w,
+                                        unsigned char* smem, Barriers<T::kStages> bars,
+                                        int n_tiles) {
+  constexpr int D = T::head_size, kBlockN = T::kBlockN;
+  constexpr int kStages = T::kStages, kNt = D / 8, kSn = kBlockN / 8;
+  constexpr bool kBF16 = T::act == DType::kBF16;
+  constexpr Sm90Layout lay = T::layout();
+  sm90::setmaxnreg_inc<T::kConsumerRegs>();
+  const int wg = int(threadIdx.x) / 128, ct = int(threadIdx.x) % 128;
+  const int cw = wg - 1;  // consumer warpgroup: rows 64 cw .. 64 cw + 63
+  const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
+  const int row_a = 64 * cw + 16 * warp + g;
+  const int wg_row0 = 64 * cw;
+  const bool active = wg_row0 < w.num_rows;  // warpgroup-uniform
+  const RowsSpan span =
+      active ? rows_span(p, w, wg_row0, min(wg_row0 + 64, w.num_rows) - 1) : RowsSpan{};
+
+  float o[kNt][4];
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  uint32_t pa[kBlockN / 16][4];  // P of the previous tile, the A operand of its P V
+
+  const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset) + wg_row0 * 128;
+  const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
+  auto parity = [](int j) { return uint32_t((j / kStages) & 1); };
+  // S = Q K^T of the tile in stage s (K-major operands: 16 columns are +32 B in a panel).
+  auto issue_s = [&](float(&sacc)[kSn][4], int s) {
+    const uint32_t k_base = stage0 + s * lay.stage_bytes;
+    sm90::fence_operands(sacc);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint64_t da =
+          sm90::sw128_desc(q_base + (ks >> 2) * lay.q_panel + (ks & 3) * 32, 16, 1024);
+      const uint64_t db =
+          sm90::sw128_desc(k_base + (ks >> 2) * lay.kv_panel + (ks & 3) * 32, 16, 1024);
+      sm90::Wgmma<kBlockN, kBF16>::template ss<0>(sacc, da, db, ks > 0);
+    }
+    sm90::wgmma_commit();
+  };
+  // O += P V of the tile in stage s (V is MN-major: 16 keys are +2048 B, panels lbo apart).
+  auto issue_pv = [&](int s) {
+    const uint32_t v_base = stage0 + s * lay.stage_bytes + (D / 64) * lay.kv_panel;
+    sm90::fence_operands(o);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int c = 0; c < kBlockN / 16; ++c) {
+      const uint64_t dv = sm90::sw128_desc(v_base + c * 2048, lay.kv_panel, 1024);
+      sm90::Wgmma<D, kBF16>::template rs<1>(o, pa[c], dv, 1);
+    }
+    sm90::wgmma_commit();
+  };
+  auto softmax = [&](float(&sacc)[kSn][4], int j, float(&corr)[2]) {
+    const int ts = w.kv_begin + j * kBlockN;
+    const bool need_mask = !(ts >= span.mask_lo && ts + kBlockN <= span.mask_hi);
+    softmax_scores<kSn>(p, w, sacc, row_a, ts, need_mask, t4, m, l, corr);
+  };
+  auto pack = [&](const float(&sacc)[kSn][4]) {
+#pragma unroll
+    for (int c = 0; c < kBlockN / 16; ++c) {
+      pa[c][0] = pack2<T::act>(sacc[2 * c][0], sacc[2 * c][1]);
+      pa[c][1] = pack2<T::act>(sacc[2 * c][2], sacc[2 * c][3]);
+      pa[c][2] = pack2<T::act>(sacc[2 * c + 1][0], sacc[2 * c + 1][1]);
+      pa[c][3] = pack2<T::act>(sacc[2 * c + 1][2], sacc[2 * c + 1][3]);
+    }
+  };
+  // A tile this warpgroup's rows cannot see: released once landed (the other warpgroup may
+  // need it; the producer refills a stage only when both have released it).
+  auto skip = [&](int j) {
+    const int s = j % kStages;
+    mbar_wait(bars.k_full(s), parity(j));
+    ptx::mbarrier_arrive(bars.k_empty(s));
+    mbar_wait(bars.v_full(s), parity(j));
+    ptx::mbarrier_arrive(bars.v_empty(s));
+  };
+  // The tiles [j_lo, j_hi) this warpgroup computes.
+  int j_lo = n_tiles, j_hi = n_tiles;
+  if (active && span.lo < span.hi) {
+    j_lo = (span.lo - w.kv_begin) / kBlockN;
+    j_hi = min(n_tiles, ceil_div(span.hi - w.kv_begin, kBlockN));
+  }
+  mbar_wait(bars.q_full(), 0);
+  for (int j = 0; j < j_lo; ++j) skip(j);
+  if (j_lo < j_hi) {
+    // Straight-line wgmma groups, no flags: ptxas serialises the wgmmas (C7514 / C7518) when
+    // a group's issue or wait sits under a condition it cannot prove warpgroup-uniform.
+    {
+      const int s = j_lo % kStages;
+      mbar_wait(bars.k_full(s), parity(j_lo));
+      ptx::fence_proxy_async(ptx::space_shared);
+      float sacc[kSn][4], corr[2];
+      issue_s(sacc, s);
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(sacc);
+      softmax(sacc, j_lo, corr);  // O is still zero: nothing to rescale
+      ptx::mbarrier_arrive(bars.k_empty(s));
+      pack(sacc);
+    }
+    for (int j = j_lo + 1; j < j_hi; ++j) {
+      const int s = j % kStages, prev = (j - 1) % kStages;
+      mbar_wait(bars.k_full(s), parity(j));
+      mbar_wait(bars.v_full(prev), parity(j - 1));
+      ptx::fence_proxy_async(ptx::space_shared);
+      float sacc[kSn][4], corr[2];
+      issue_s(sacc, s);
+      issue_pv(prev);
+      sm90::wgmma_wait<1>();  // S_j done; P V of tile j - 1 still runs
+      sm90::fence_operands(sacc);
+      softmax(sacc, j, corr);
+      ptx::mbarrier_arrive(bars.k_empty(s));
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(o);
+      ptx::mbarrier_arrive(bars.v_empty(prev));
+      rescale_o(o, corr);
+      pack(sacc);
+    }
+    const int last = (j_hi - 1) % kStages;
+    mbar_wait(bars.v_full(last), parity(j_hi - 1));
+    ptx::fence_proxy_async(ptx::space_shared);
+    issue_pv(last);
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(o);
+    ptx::mbarrier_arrive(bars.v_empty(last));
+  }
+  for (int j = j_hi; j < n_tiles; ++j) skip(j);
+  store_rows<T::act>(p, w, o, m, l, row_a, t4);
+}
+
+template <class T>
+void prepare_prefill_sm90(int device) {
+  static std::atomic<uint64_t> done{0};
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (done.load(std::memory_order_acquire) & bit) return;
+  PAGEDATTN_CUDA_CHECK(cudaFuncSetAttribute(
+      prefill_sm90_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::layout().total));
+  done.fetch_or(bit, std::memory_order_acq_rel);
+}
+
+template <class T>
+void PrefillSm90Ops<T>::launch(const DecodeParams& p, cudaStream_t stream) {
+  const dim3 grid(unsigned(p.num_q_tiles) * unsigned(p.num_seqs) * unsigned(p.num_kv_heads),
+                  unsigned(p.num_splits));
+  if (grid.x == 0 || grid.y == 0) return;
+  int device = 0;
+  PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+  prepare_prefill_sm90<T>(device);
+  decode::launch_with_pdl(prefill_sm90_kernel<T>, grid, dim3(T::kThreads), T::layout().total,
+                          stream, p);
+}
+
+template <class T>
+int PrefillSm90Ops<T>::ctas_per_sm(int device) {
+  prepare_prefill_sm90<T>(device);
+  int n = 0;
+  PAGEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &n, prefill_sm90_kernel<T>, T::kThreads, T::layout().total));
+  return n;
+}
+
+}  // namespace pagedattn::cuda::prefill
