@@ -136,6 +136,63 @@ json run_point(const Backend& backend, const Shape& s, bool quick, std::mt19937&
   return r;
 }
 
+// Graph-replayed median of `body` in microseconds (enough launches per replay for ~2 ms).
+template <class F>
+double graph_us(cudaStream_t stream, bool quick, F&& body) {
+  body();
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  const double one_ms = median(time_ms(stream, 3, body));
+  const int per_graph = std::clamp(int(std::ceil(2.0 / std::max(one_ms, 1e-3))), 1, 64);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < per_graph; ++i) body();
+  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  const auto warm0 = std::chrono::steady_clock::now();
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - warm0).count() < 0.1) {
+    BENCH_CUDA(cudaGraphLaunch(exec, stream));
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+  }
+  const auto ms =
+      time_ms(stream, quick ? 5 : 11, [&] { BENCH_CUDA(cudaGraphLaunch(exec, stream)); });
+  BENCH_CUDA(cudaGraphExecDestroy(exec));
+  BENCH_CUDA(cudaGraphDestroy(graph));
+  return median(ms) * 1e3 / per_graph;
+}
+
+// MultiHeadAttention (no cache, not causal) at ViT shapes: [B, S, H*D] bf16, FLOPs 4*S*S*D*H*B.
+json run_mha_point(int batch, int seq, int heads, int head_size, bool quick, std::mt19937& rng,
+                   cudaStream_t stream) {
+  const double flop = 4.0 * seq * double(seq) * head_size * heads * batch;
+  char name[128];
+  std::snprintf(name, sizeof name, "vit-mha b%d s%d h%d d%d", batch, seq, heads, head_size);
+  json r = {{"label", name},         {"group", "vit-mha"},     {"batch", batch},
+            {"context", 0},          {"q_len", seq},           {"num_heads", heads},
+            {"num_kv_heads", heads}, {"head_size", head_size}, {"flops", flop}};
+  const Device dev = Device::cuda(0);
+  MultiHeadAttentionOptions o;
+  o.num_heads = heads;
+  o.head_size = head_size;
+  o.scale = 1.0f / std::sqrt(float(head_size));
+  o.dtype = DType::kBF16;
+  o.device = dev;
+  MultiHeadAttention mha(o);
+  const int64_t elems = int64_t(batch) * seq * heads * head_size;
+  Tensor q = Tensor::empty({batch, seq, int64_t(heads) * head_size}, DType::kBF16, dev);
+  Tensor k = Tensor::empty({batch, seq, int64_t(heads) * head_size}, DType::kBF16, dev);
+  Tensor v = Tensor::empty({batch, seq, int64_t(heads) * head_size}, DType::kBF16, dev);
+  Tensor out = Tensor::empty({batch, seq, int64_t(heads) * head_size}, DType::kBF16, dev);
+  for (Tensor* t : {&q, &k, &v})
+    fill_random(t->data(), size_t(elems) * 2, DType::kBF16, rng, stream);
+  const double us = graph_us(stream, quick, [&] {
+    mha.forward(q.view(), k.view(), v.view(), out.view(), Stream{stream});
+  });
+  r["us"] = us;
+  r["tflops"] = flop / (us * 1e-6) / 1e12;
+  return r;
+}
+
 std::vector<Shape> shapes(bool quick) {
   std::vector<Shape> v;
   // Fresh causal prompts, ~16k tokens per launch.
@@ -216,6 +273,16 @@ int main(int argc, char** argv) {
       }
       std::fflush(stdout);
       results.push_back(r);
+    }
+    for (int seq : {577, 1025}) {
+      for (int d : {64, 80}) {
+        if (quick && (seq != 577 || d != 64)) continue;
+        json r = run_mha_point(32, seq, 16, d, quick, rng, stream);
+        std::printf("%-52s %10.1f us  %6.1f TFLOP/s\n", r["label"].get<std::string>().c_str(),
+                    r["us"].get<double>(), r["tflops"].get<double>());
+        std::fflush(stdout);
+        results.push_back(r);
+      }
     }
     doc["results"] = results;
     std::ofstream(out) << doc.dump(1) << "\n";

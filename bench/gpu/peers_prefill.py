@@ -36,10 +36,16 @@ def shapes(quick):
         for chunk in [512] if quick else [256, 512, 1024]:
             out.append(dict(group="chunked-h8/1", batch=1, context=ctx, q_len=chunk, hq=8, hkv=1,
                             d=128))
+    for seq in [577] if quick else [577, 1025]:
+        for d in [64] if quick else [64, 80]:
+            out.append(dict(group="vit-mha", batch=32, context=0, q_len=seq, hq=16, hkv=16, d=d,
+                            causal=False))
     return out
 
 
 def flops(s):
+    if not s.get("causal", True):
+        return 4.0 * s["d"] * s["q_len"] * s["q_len"] * s["hq"] * s["batch"]
     pairs = s["q_len"] * s["context"] + s["q_len"] * (s["q_len"] + 1) / 2
     return 4.0 * s["d"] * pairs * s["hq"] * s["batch"]
 
@@ -53,8 +59,12 @@ def bench(s, backend, repeats):
     scale = 1.0 / math.sqrt(d)
     mask = causal_lower_right(n, ctx + n) if ctx > 0 else None
 
+    causal = s.get("causal", True)
+
     def run():
-        if mask is None:
+        if not causal:
+            F.scaled_dot_product_attention(q, k, v, scale=scale)
+        elif mask is None:
             F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -12,7 +12,8 @@ import json
 
 
 def key(r):
-    return (r["group"].replace("-fp8", ""), r["batch"], r["context"], r["q_len"])
+    d = r.get("head_size", r.get("d"))
+    return (r["group"].replace("-fp8", ""), r["batch"], r["context"], r["q_len"], d)
 
 
 def main():

@@ -13,6 +13,7 @@
 #include "pagedattn/kv_cache.h"
 #include "pagedattn/kv_cache_spec.h"
 #include "pagedattn/layer.h"
+#include "pagedattn/mha.h"
 #include "pagedattn/metadata.h"
 #include "pagedattn/registry.h"
 #include "pagedattn/safetensors.h"
