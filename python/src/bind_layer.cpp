@@ -110,6 +110,48 @@ nb::object forward(PyAttention& a, nb::handle query, nb::handle key, nb::handle 
   return nb::borrow(output);
 }
 
+/// pagedattn.MultiHeadAttention: vLLM's no-cache layer for vision encoders.
+struct PyMultiHeadAttention {
+  explicit PyMultiHeadAttention(const MultiHeadAttentionOptions& options) : layer(options) {}
+  MultiHeadAttention layer;
+};
+
+void make_mha(PyMultiHeadAttention* self, int num_heads, int head_size, float scale,
+              std::optional<int> num_kv_heads, const std::string& prefix,
+              std::optional<std::string> attn_backend, nb::handle dtype, nb::handle device) {
+  MultiHeadAttentionOptions o;
+  o.num_heads = num_heads;
+  o.head_size = head_size;
+  o.scale = scale;
+  o.num_kv_heads = num_kv_heads;
+  o.prefix = prefix;
+  o.attn_backend = std::move(attn_backend);
+  o.dtype = parse_dtype(dtype);
+  o.device = parse_device(device);
+  new (self) PyMultiHeadAttention(o);
+}
+
+nb::object mha_forward(PyMultiHeadAttention& a, nb::handle query, nb::handle key, nb::handle value,
+                       nb::handle output) {
+  const TensorView q = to_view(query, "query");
+  const TensorView k = to_view(key, "key");
+  const TensorView v = to_view(value, "value");
+  if (output.is_none()) {
+    Tensor out;
+    {
+      nb::gil_scoped_release release;
+      out = a.layer.forward(q, k, v);
+    }
+    return export_tensor(out);
+  }
+  const TensorView o = to_view(output, "output", true);
+  {
+    nb::gil_scoped_release release;
+    a.layer.forward(q, k, v, o);
+  }
+  return nb::borrow(output);
+}
+
 }  // namespace
 
 void bind_layer(nb::module_& m) {
@@ -206,6 +248,25 @@ void bind_layer(nb::module_& m) {
       .def("__repr__", [](const PyAttention& a) {
         return "Attention(" + a.layer.extra_repr() + ", prefix='" + a.layer.name() + "')";
       });
+
+  nb::class_<PyMultiHeadAttention>(m, "MultiHeadAttention",
+                                   "vLLM's MultiHeadAttention: dense bidirectional attention "
+                                   "with no cache (vision encoders). forward() runs on the "
+                                   "legacy default CUDA stream.")
+      .def("__init__", &make_mha, nb::arg("num_heads"), nb::arg("head_size"), nb::arg("scale"),
+           nb::arg("num_kv_heads").none() = nb::none(), nb::arg("prefix") = "",
+           nb::arg("attn_backend").none() = nb::none(), nb::arg("dtype") = "bfloat16",
+           nb::arg("device") = "cpu")
+      .def_prop_ro(
+          "backend_name",
+          [](const PyMultiHeadAttention& a) { return std::string(a.layer.backend().name()); })
+      .def("forward", &mha_forward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
+           nb::arg("output").none() = nb::none(),
+           "query [B, Sq, num_heads*head_size] (or 4-D), key/value [B, Skv, "
+           "num_kv_heads*head_size] (or 4-D), Skv == Sq. Without output, returns a new array "
+           "shaped like query.")
+      .def("__call__", &mha_forward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
+           nb::arg("output").none() = nb::none());
 }
 
 }  // namespace pagedattn::py
