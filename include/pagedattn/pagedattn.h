@@ -15,6 +15,7 @@
 #include "pagedattn/layer.h"
 #include "pagedattn/metadata.h"
 #include "pagedattn/mha.h"
+#include "pagedattn/mla.h"
 #include "pagedattn/registry.h"
 #include "pagedattn/safetensors.h"
 #include "pagedattn/tensor.h"

@@ -29,8 +29,9 @@ void set_enabled(bool on) {
 
 namespace {
 
-// Largest head size the per-thread scratch is sized for (rows x head_size floats).
-constexpr int kMaxHeadSize = 512;
+// Largest head size the per-thread scratch is sized for (rows x head_size floats): MLA's
+// latent entry, kv_lora_rank + qk_rope_head_dim = 512 + 64 for DeepSeek-V3.
+constexpr int kMaxHeadSize = 576;
 
 int64_t elem_offset(const TensorView& v, int64_t i0, int64_t i1) {
   return i0 * v.stride(0) + i1 * v.stride(1);

@@ -177,6 +177,18 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
     c.kv_cache_dtype = KVCacheDType::kFp8E4M3;
     m.add("cross", c, {{0, 3, 0, 17, true}, {0, 0, 0, 17, false}});
   }
+  // MLA's absorbed decode: every query head against one latent KV head of kv_lora_rank +
+  // qk_rope_head_dim = 576 (DeepSeek-V3), block size 64, bf16 and fp8 latent caches.
+  for (KVCacheDType kv : {KVCacheDType::kAuto, KVCacheDType::kFp8E4M3}) {
+    AttentionConfig c = base;
+    c.head_size = 576;
+    c.num_heads = 16;
+    c.num_kv_heads = 1;
+    c.block_size = 64;
+    c.scale = 1.0f / std::sqrt(192.0f);  // (qk_nope + qk_rope)^-0.5
+    c.kv_cache_dtype = kv;
+    m.add("mla-latent", c, {{300, 1}, {70, 4}, {0, 9}});
+  }
   // Batch shapes.
   m.add("batch", base, {{130, 1}, {7, 1}, {255, 1}, {16, 1}, {0, 1}, {61, 1}, {300, 1}, {1, 1}});
   m.add("batch", base, {{0, 200}});

@@ -1,0 +1,81 @@
+// MLAAttention: DeepSeek-V2/V3 multi-head latent attention (spec section 5) over a paged
+// latent cache, in the absorbed (decode) formulation for every token.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "pagedattn/backend.h"
+#include "pagedattn/forward_context.h"
+#include "pagedattn/kv_cache.h"
+#include "pagedattn/kv_cache_spec.h"
+#include "pagedattn/layer.h"
+#include "pagedattn/registry.h"
+
+namespace pagedattn {
+
+/// vLLM's MLAAttention.__init__ parameters (N, P, R, V, L in spec 5.1's symbols).
+struct MLAOptions {
+  int num_heads = 0;               ///< N
+  float scale = 0.0f;              ///< (P + R)^-0.5 for DeepSeek (times mscale^2 under YaRN)
+  int qk_nope_head_dim = 0;        ///< P
+  int qk_rope_head_dim = 0;        ///< R
+  int v_head_dim = 0;              ///< V
+  std::optional<int> q_lora_rank;  ///< recorded only: the model applies q_b_proj first
+  int kv_lora_rank = 0;            ///< L
+  std::optional<CacheConfig> cache_config;
+  std::string prefix;
+  std::optional<std::string> attn_backend;  ///< force a backend by name
+  DType dtype = DType::kBF16;
+  Device device{};
+};
+
+/// The layer. Every token runs the absorbed formulation (spec 5.4's decode path): the query's
+/// no-RoPE part is multiplied by W_UK^T into the latent space, attention runs as MQA of all N
+/// heads against one latent KV head of L + R (the cache entry, also used as V: the output's
+/// last R columns are dropped), and the latent output is projected by W_UV. It equals the
+/// prefill formulation exactly in real arithmetic (q_nope . W_UK kv_c = (q_nope W_UK^T) . kv_c,
+/// P (kv_c W_UV) = (P kv_c) W_UV). This version computes the projections on the host: CPU
+/// tensors only (the CUDA MLA kernels are issue 7's next part); the attention itself runs on the
+/// selected backend (cpu or ref), every fp8 latent cache included.
+class MLAAttention {
+ public:
+  MLAAttention(ForwardContext& context, const MLAOptions& options,
+               const Registry& registry = default_registry());
+
+  /// The latent attention as the backends see it: N heads, 1 KV head, head_size L + R, causal.
+  const AttentionConfig& config() const { return config_; }
+  const Backend& backend() const { return *backend_; }
+  /// MLAAttentionSpec: one latent entry of L + R per token (spec 7.1).
+  KVCacheSpec get_kv_cache_spec() const;
+
+  /// kv_b_proj's weight viewed as [L, N * (P + V)] (input-major: row l holds, head by head,
+  /// W_UK's P then W_UV's V columns), any float dtype, on the host. Absorbed once, rounded to the
+  /// activation dtype as vLLM does: W_UK_T [N, P, L], W_UV [N, L, V].
+  void load_kv_b_proj(const TensorView& weight);
+  /// The paged latent cache [num_blocks, block_size, L + R] (or [..., 1, L + R]), cache dtype.
+  void bind_kv_cache(const TensorView& latent_cache);
+  /// fp8 latent caches: stored = saturate(x / k_scale).
+  void set_k_scale(float k_scale);
+
+  /// q [T, N, P + R] (RoPE applied to the last R), kv_c_normed [T, L], k_pe [T, R] or
+  /// [T, 1, R]; output [T, N * V] (rows [0, num_actual_tokens) written). Writes the step's
+  /// latent entries (slot -1 skipped), then attends; reads the step's metadata (KV-cache group
+  /// 0) from the context; a profiling step zeroes the output.
+  void forward(const TensorView& q, const TensorView& kv_c_normed, const TensorView& k_pe,
+               const TensorView& output);
+
+ private:
+  ForwardContext& context_;
+  MLAOptions options_;
+  AttentionConfig config_;
+  const Backend* backend_ = nullptr;
+  std::unique_ptr<AttentionImpl> impl_;
+  KVCacheView cache_;
+  float k_scale_ = 1.0f;
+  std::vector<float> w_uk_t_;  // [N, P, L]
+  std::vector<float> w_uv_;    // [N, L, V]
+};
+
+}  // namespace pagedattn

@@ -1,0 +1,216 @@
+#include "pagedattn/mla.h"
+
+#include <cmath>
+
+#include "pagedattn/error.h"
+
+namespace pagedattn {
+
+using detail::require;
+
+namespace {
+
+AttentionConfig make_config(const MLAOptions& o) {
+  const CacheConfig cache = o.cache_config.value_or(CacheConfig{});
+  AttentionConfig c;
+  c.num_heads = o.num_heads;
+  c.num_kv_heads = 1;
+  c.head_size = o.kv_lora_rank + o.qk_rope_head_dim;
+  c.scale = o.scale;
+  c.dtype = o.dtype;
+  c.kv_cache_dtype = cache.cache_dtype;
+  c.block_size = cache.block_size;
+  c.attn_type = AttentionType::kDecoder;
+  return c;
+}
+
+// Element (i0, i1, i2) of a view of up to 3 dimensions, as a double.
+double at(const TensorView& v, int64_t i0, int64_t i1, int64_t i2 = 0) {
+  int64_t off = i0 * v.stride(0) + i1 * v.stride(1);
+  if (v.ndim > 2) off += i2 * v.stride(2);
+  return load_element(v.data, v.dtype, off);
+}
+
+// Rounds to `dtype` (the activation dtype the absorbed weights live in).
+float rounded(double x, DType dtype) {
+  uint64_t bits = 0;
+  store_element(&bits, dtype, 0, x);
+  return float(load_element(&bits, dtype, 0));
+}
+
+}  // namespace
+
+MLAAttention::MLAAttention(ForwardContext& context, const MLAOptions& options,
+                           const Registry& registry)
+    : context_(context), options_(options), config_(make_config(options)) {
+  require(options.num_heads > 0 && options.qk_nope_head_dim > 0 && options.qk_rope_head_dim > 0 &&
+              options.v_head_dim > 0 && options.kv_lora_rank > 0,
+          "MLA dimensions must be positive: num_heads=", options.num_heads,
+          ", qk_nope_head_dim=", options.qk_nope_head_dim,
+          ", qk_rope_head_dim=", options.qk_rope_head_dim, ", v_head_dim=", options.v_head_dim,
+          ", kv_lora_rank=", options.kv_lora_rank);
+  config_.validate();
+  backend_ = &registry.select(BackendQuery{config_, options.device}, options.attn_backend);
+  impl_ = backend_->make_impl(config_, options.device);
+}
+
+KVCacheSpec MLAAttention::get_kv_cache_spec() const {
+  return KVCacheSpec::mla(config_.block_size, config_.head_size, config_.cache_dtype());
+}
+
+void MLAAttention::load_kv_b_proj(const TensorView& w) {
+  const int n = options_.num_heads, p = options_.qk_nope_head_dim, v = options_.v_head_dim;
+  const int l = options_.kv_lora_rank;
+  // vLLM asserts the shape (spec 5.3).
+  require(w.defined() && w.ndim == 2 && w.size(0) == l && w.size(1) == int64_t(n) * (p + v),
+          "kv_b_proj must be [kv_lora_rank=", l,
+          ", num_heads*(qk_nope_head_dim+v_head_dim)=", int64_t(n) * (p + v), "]; got ",
+          describe(w));
+  require(w.device.is_cpu() && is_floating(w.dtype),
+          "kv_b_proj must be a float tensor on the host; got ", describe(w));
+  w_uk_t_.assign(size_t(n) * p * l, 0.0f);
+  w_uv_.assign(size_t(n) * l * v, 0.0f);
+  for (int li = 0; li < l; ++li) {
+    for (int h = 0; h < n; ++h) {
+      const int64_t col = int64_t(h) * (p + v);
+      for (int pi = 0; pi < p; ++pi) {
+        w_uk_t_[(size_t(h) * p + pi) * l + li] = rounded(at(w, li, col + pi), config_.dtype);
+      }
+      for (int vi = 0; vi < v; ++vi) {
+        w_uv_[(size_t(h) * l + li) * v + vi] = rounded(at(w, li, col + p + vi), config_.dtype);
+      }
+    }
+  }
+}
+
+void MLAAttention::bind_kv_cache(const TensorView& c) {
+  const int entry = config_.head_size;
+  require(c.defined() && (c.ndim == 3 || (c.ndim == 4 && c.size(2) == 1)) &&
+              c.size(1) == config_.block_size && c.size(c.ndim - 1) == entry,
+          "the latent cache must be [num_blocks, block_size=", config_.block_size,
+          ", kv_lora_rank+qk_rope_head_dim=", entry, "] (or with a KV-head dimension of 1); got ",
+          describe(c));
+  require(c.dtype == config_.cache_dtype(), "the latent cache is ", dtype_name(c.dtype),
+          "; the layer's cache dtype is ", dtype_name(config_.cache_dtype()));
+  TensorView v = c;
+  if (c.ndim == 3) {
+    v.ndim = 4;
+    v.shape = {c.size(0), c.size(1), 1, entry, 0, 0};
+    v.strides = {c.stride(0), c.stride(1), entry * c.stride(2), c.stride(2), 0, 0};
+  }
+  // One latent entry serves as both K and V (the backends only read V's first L columns'
+  // worth of the output: the layer drops the rest).
+  cache_ = KVCacheView{v, v};
+}
+
+void MLAAttention::set_k_scale(float k_scale) {
+  require(std::isfinite(k_scale) && k_scale > 0.0f, "k_scale (", k_scale,
+          ") must be finite and > 0");
+  k_scale_ = k_scale;
+}
+
+void MLAAttention::forward(const TensorView& q, const TensorView& kv_c, const TensorView& k_pe_in,
+                           const TensorView& output) {
+  const int n = options_.num_heads, p = options_.qk_nope_head_dim, r = options_.qk_rope_head_dim;
+  const int v = options_.v_head_dim, l = options_.kv_lora_rank, e = l + r;
+  require(q.defined() && q.ndim == 3 && q.size(1) == n && q.size(2) == p + r,
+          "q must be [num_tokens, num_heads=", n, ", qk_nope_head_dim+qk_rope_head_dim=", p + r,
+          "]; got ", describe(q));
+  const int64_t t_in = q.size(0);
+  require(kv_c.defined() && kv_c.ndim == 2 && kv_c.size(0) == t_in && kv_c.size(1) == l,
+          "kv_c_normed must be [num_tokens=", t_in, ", kv_lora_rank=", l, "]; got ",
+          describe(kv_c));
+  TensorView k_pe = k_pe_in;
+  if (k_pe.defined() && k_pe.ndim == 3 && k_pe.size(1) == 1) {
+    k_pe.ndim = 2;
+    k_pe.shape = {k_pe_in.size(0), r, 0, 0, 0, 0};
+    k_pe.strides = {k_pe_in.stride(0), k_pe_in.stride(2), 0, 0, 0, 0};
+  }
+  require(k_pe.defined() && k_pe.ndim == 2 && k_pe.size(0) == t_in && k_pe.size(1) == r,
+          "k_pe must be [num_tokens=", t_in, ", qk_rope_head_dim=", r, "] or [num_tokens, 1, ", r,
+          "]; got ", describe(k_pe_in));
+  require(output.defined() && output.ndim == 2 && output.size(0) >= t_in &&
+              output.size(1) == int64_t(n) * v && output.dtype == config_.dtype,
+          "output must be ", dtype_name(config_.dtype), " [num_tokens=", t_in,
+          ", num_heads*v_head_dim=", int64_t(n) * v, "]; got ", describe(output));
+  for (const TensorView* t : {&q, &kv_c, static_cast<const TensorView*>(&k_pe), &output}) {
+    require<NotSupported>(t->device.is_cpu(),
+                          "MLAAttention runs on host tensors in this version; got ", describe(*t));
+  }
+  const AttentionMetadata* md = context_.metadata(0);
+  if (md == nullptr) {  // profiling run
+    for (int64_t i = 0; i < t_in; ++i) {
+      for (int64_t c = 0; c < output.size(1); ++c) {
+        store_element(output.data, output.dtype, i * output.stride(0) + c * output.stride(1), 0.0);
+      }
+    }
+    return;
+  }
+  require(!w_uk_t_.empty(), "load_kv_b_proj() must be called before forward()");
+  require(cache_.key.defined(), "bind_kv_cache() must be called before forward()");
+  const int64_t ta = md->num_actual_tokens;
+  require(ta <= t_in, "metadata.num_actual_tokens (", ta, ") exceeds the ", t_in, " input tokens");
+  const CacheGeometry geometry{cache_.num_blocks(), cache_.block_size()};
+  if (context_.first_use(0, config_.attn_type, geometry)) {
+    validate_metadata(*md, config_.attn_type, geometry);
+  }
+  const DType act = config_.dtype;
+  // 1. The step's latent entries [kv_c | k_pe] into the cache (one entry as K and V).
+  Tensor latent = Tensor::empty({ta, 1, e}, act);
+  for (int64_t t = 0; t < ta; ++t) {
+    for (int c = 0; c < e; ++c) {
+      store_element(latent.data(), act, t * e + c, c < l ? at(kv_c, t, c) : at(k_pe, t, c - l));
+    }
+  }
+  const KVScales scales{k_scale_, k_scale_};
+  impl_->write_kv({latent.view(), latent.view(), md->slot_mapping, cache_, scales, {}});
+  // 2. The absorbed query [q_nope W_UK^T | q_pe], rounded to the activation dtype.
+  Tensor qa = Tensor::empty({ta, n, e}, act);
+  std::vector<float> acc(static_cast<size_t>(l), 0.0f);
+  for (int64_t t = 0; t < ta; ++t) {
+    for (int h = 0; h < n; ++h) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int pi = 0; pi < p; ++pi) {
+        const float qv = float(at(q, t, h, pi));
+        const float* w = &w_uk_t_[(size_t(h) * p + pi) * l];
+        for (int li = 0; li < l; ++li) acc[size_t(li)] += qv * w[li];
+      }
+      const int64_t base = (t * n + h) * e;
+      for (int li = 0; li < l; ++li) store_element(qa.data(), act, base + li, acc[size_t(li)]);
+      for (int ri = 0; ri < r; ++ri)
+        store_element(qa.data(), act, base + l + ri, at(q, t, h, p + ri));
+    }
+  }
+  // 3. MQA over the latent cache.
+  Tensor o_lat = Tensor::empty({ta, n, e}, act);
+  ForwardArgs f;
+  f.query = qa.view();
+  f.kv_cache = cache_;
+  f.scales = scales;
+  f.metadata = md;
+  f.output = o_lat.view();
+  f.plan = &context_.plan(0, *backend_, config_);
+  f.workspace = context_.workspace(Device::cpu(), f.plan->workspace_bytes());
+  check_forward_args(config_, f, /*check_metadata=*/false);
+  impl_->forward(f);
+  // 4. Up-projection of the latent output's first L columns by W_UV.
+  std::vector<float> lat(static_cast<size_t>(l), 0.0f), out(static_cast<size_t>(v), 0.0f);
+  for (int64_t t = 0; t < ta; ++t) {
+    for (int h = 0; h < n; ++h) {
+      for (int li = 0; li < l; ++li)
+        lat[size_t(li)] = float(load_element(o_lat.data(), act, (t * n + h) * e + li));
+      std::fill(out.begin(), out.end(), 0.0f);
+      for (int li = 0; li < l; ++li) {
+        const float* w = &w_uv_[(size_t(h) * l + li) * v];
+        for (int vi = 0; vi < v; ++vi) out[size_t(vi)] += lat[size_t(li)] * w[vi];
+      }
+      for (int vi = 0; vi < v; ++vi) {
+        store_element(output.data, output.dtype,
+                      t * output.stride(0) + (int64_t(h) * v + vi) * output.stride(1),
+                      out[size_t(vi)]);
+      }
+    }
+  }
+}
+
+}  // namespace pagedattn
