@@ -47,6 +47,7 @@ class MLAAttention {
   /// The latent attention as the backends see it: N heads, 1 KV head, head_size L + R, causal.
   const AttentionConfig& config() const { return config_; }
   const Backend& backend() const { return *backend_; }
+  int v_head_dim() const { return options_.v_head_dim; }
   /// MLAAttentionSpec: one latent entry of L + R per token (spec 7.1).
   KVCacheSpec get_kv_cache_spec() const;
 
@@ -58,6 +59,10 @@ class MLAAttention {
   void bind_kv_cache(const TensorView& latent_cache);
   /// fp8 latent caches: stored = saturate(x / k_scale).
   void set_k_scale(float k_scale);
+  float k_scale() const { return k_scale_; }
+  /// cache_config.calculate_kv_scales: the first forward with real data sets k_scale to
+  /// max|kv_c_normed| / 200 (vLLM's calc_kv_scales with k = kv_c_normed, v = k_pe), once.
+  bool calculate_kv_scales() const { return calibrate_; }
 
   /// q [T, N, P + R] (RoPE applied to the last R), kv_c_normed [T, L], k_pe [T, R] or
   /// [T, 1, R]; output [T, N * V] (rows [0, num_actual_tokens) written). Writes the step's
@@ -74,6 +79,7 @@ class MLAAttention {
   std::unique_ptr<AttentionImpl> impl_;
   KVCacheView cache_;
   float k_scale_ = 1.0f;
+  bool calibrate_ = false;     // a calibration is still owed
   std::vector<float> w_uk_t_;  // [N, P, L]
   std::vector<float> w_uv_;    // [N, L, V]
 };

@@ -152,6 +152,58 @@ nb::object mha_forward(PyMultiHeadAttention& a, nb::handle query, nb::handle key
   return nb::borrow(output);
 }
 
+/// pagedattn.MLAAttention: the layer plus its bound latent cache (kept alive).
+struct PyMLA {
+  PyMLA(ForwardContext& context, const MLAOptions& options) : layer(context, options) {}
+  MLAAttention layer;
+  nb::object cache = nb::none();
+};
+
+void make_mla(PyMLA* self, PyForwardContext& context, int num_heads, float scale,
+              int qk_nope_head_dim, int qk_rope_head_dim, int v_head_dim,
+              std::optional<int> q_lora_rank, int kv_lora_rank, nb::handle kv_b_proj,
+              std::optional<CacheConfig> cache_config, const std::string& prefix,
+              std::optional<std::string> attn_backend, nb::handle dtype, nb::handle device) {
+  MLAOptions o;
+  o.num_heads = num_heads;
+  o.scale = scale;
+  o.qk_nope_head_dim = qk_nope_head_dim;
+  o.qk_rope_head_dim = qk_rope_head_dim;
+  o.v_head_dim = v_head_dim;
+  o.q_lora_rank = q_lora_rank;
+  o.kv_lora_rank = kv_lora_rank;
+  o.cache_config = cache_config;
+  o.prefix = prefix;
+  o.attn_backend = std::move(attn_backend);
+  o.dtype = parse_dtype(dtype);
+  o.device = parse_device(device);
+  new (self) PyMLA(context.ctx, o);
+  if (!kv_b_proj.is_none()) self->layer.load_kv_b_proj(to_view(kv_b_proj, "kv_b_proj"));
+}
+
+nb::object mla_forward(PyMLA& a, nb::handle q, nb::handle kv_c_normed, nb::handle k_pe,
+                       nb::handle output) {
+  const TensorView qv = to_view(q, "q");
+  const TensorView kv = to_view(kv_c_normed, "kv_c_normed");
+  const TensorView pe = to_view(k_pe, "k_pe");
+  const auto& c = a.layer.config();
+  nb::object out_obj = nb::borrow(output);
+  Tensor owned;
+  TensorView out;
+  if (output.is_none()) {
+    owned = Tensor::zeros({qv.size(0), int64_t(c.num_heads) * a.layer.v_head_dim()}, c.dtype,
+                          qv.device);
+    out = owned.view();
+  } else {
+    out = to_view(output, "output", true);
+  }
+  {
+    nb::gil_scoped_release release;
+    a.layer.forward(qv, kv, pe, out);
+  }
+  return output.is_none() ? export_tensor(owned) : out_obj;
+}
+
 }  // namespace
 
 void bind_layer(nb::module_& m) {
@@ -266,6 +318,39 @@ void bind_layer(nb::module_& m) {
            "num_kv_heads*head_size] (or 4-D), Skv == Sq. Without output, returns a new array "
            "shaped like query.")
       .def("__call__", &mha_forward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
+           nb::arg("output").none() = nb::none());
+
+  nb::class_<PyMLA>(m, "MLAAttention",
+                    "vLLM's MLAAttention (DeepSeek latent attention) over a paged latent cache, "
+                    "absorbed formulation; host arrays on the ref and cpu backends.")
+      .def("__init__", &make_mla, nb::arg("context"), nb::arg("num_heads"), nb::arg("scale"),
+           nb::arg("qk_nope_head_dim"), nb::arg("qk_rope_head_dim"), nb::arg("v_head_dim"),
+           nb::arg("q_lora_rank").none(), nb::arg("kv_lora_rank"),
+           nb::arg("kv_b_proj").none() = nb::none(), nb::arg("cache_config").none() = nb::none(),
+           nb::arg("prefix") = "", nb::arg("attn_backend").none() = nb::none(),
+           nb::arg("dtype") = "bfloat16", nb::arg("device") = "cpu")
+      .def_prop_ro("config", [](const PyMLA& a) { return a.layer.config(); })
+      .def_prop_ro("backend_name",
+                   [](const PyMLA& a) { return std::string(a.layer.backend().name()); })
+      .def_prop_rw(
+          "k_scale", [](const PyMLA& a) { return a.layer.k_scale(); },
+          [](PyMLA& a, float s) { a.layer.set_k_scale(s); })
+      .def("get_kv_cache_spec", [](const PyMLA& a) { return a.layer.get_kv_cache_spec(); })
+      .def(
+          "load_kv_b_proj",
+          [](PyMLA& a, nb::handle w) { a.layer.load_kv_b_proj(to_view(w, "kv_b_proj")); },
+          nb::arg("weight"), "kv_b_proj's weight as [kv_lora_rank, num_heads*(P+V)].")
+      .def(
+          "bind_kv_cache",
+          [](PyMLA& a, nb::handle cache) {
+            a.layer.bind_kv_cache(to_view(cache, "latent_cache", true));
+            a.cache = nb::borrow(cache);
+          },
+          nb::arg("latent_cache"), "The paged latent cache [num_blocks, block_size, L+R].")
+      .def("forward", &mla_forward, nb::arg("q"), nb::arg("kv_c_normed"), nb::arg("k_pe"),
+           nb::arg("output").none() = nb::none(),
+           "q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R]; returns (or fills) [T, N*V].")
+      .def("__call__", &mla_forward, nb::arg("q"), nb::arg("kv_c_normed"), nb::arg("k_pe"),
            nb::arg("output").none() = nb::none());
 }
 

@@ -50,6 +50,7 @@ MLAAttention::MLAAttention(ForwardContext& context, const MLAOptions& options,
           ", qk_rope_head_dim=", options.qk_rope_head_dim, ", v_head_dim=", options.v_head_dim,
           ", kv_lora_rank=", options.kv_lora_rank);
   config_.validate();
+  calibrate_ = options.cache_config && options.cache_config->calculate_kv_scales;
   backend_ = &registry.select(BackendQuery{config_, options.device}, options.attn_backend);
   impl_ = backend_->make_impl(config_, options.device);
 }
@@ -153,6 +154,13 @@ void MLAAttention::forward(const TensorView& q, const TensorView& kv_c, const Te
   const CacheGeometry geometry{cache_.num_blocks(), cache_.block_size()};
   if (context_.first_use(0, config_.attn_type, geometry)) {
     validate_metadata(*md, config_.attn_type, geometry);
+  }
+  if (calibrate_) {
+    const CalibratedScales cs = calc_kv_scales(*backend_, q, kv_c, k_pe);
+    if (!cs.all_zero) {
+      k_scale_ = cs.k_scale;
+      calibrate_ = false;
+    }
   }
   const DType act = config_.dtype;
   // 1. The step's latent entries [kv_c | k_pe] into the cache (one entry as K and V).

@@ -240,5 +240,38 @@ TEST(MLAAttention, ValidatesWeightsCacheAndInputs) {
                "k_pe must be [num_tokens=2, qk_rope_head_dim=16]");
 }
 
+TEST(MLAAttention, CalibratesTheLatentScaleOnce) {
+  ForwardContext ctx;
+  MLAOptions o = mla_options(DType::kF32, KVCacheDType::kFp8E4M3);
+  o.cache_config->calculate_kv_scales = true;
+  MLAAttention layer(ctx, o);
+  EXPECT_TRUE(layer.calculate_kv_scales());
+  const Tensor w = Tensor::zeros({kL, kN * (kP + kV)}, DType::kF32);
+  layer.load_kv_b_proj(w.view());
+  Tensor cache = Tensor::zeros({3, kBlock, kE}, DType::kFp8E4M3);
+  layer.bind_kv_cache(cache.view());
+  auto step = [&](float amax) {
+    const StepMetadata md = MetadataBuilder(kBlock).add(RequestSpec{0, 2, {1}}).build();
+    const AttentionMetadata view = md.view();
+    Tensor q = Tensor::zeros({2, kN, kP + kR}, DType::kF32),
+           kv = Tensor::zeros({2, kL}, DType::kF32);
+    Tensor pe = Tensor::zeros({2, kR}, DType::kF32), out = Tensor::zeros({2, kN * kV}, DType::kF32);
+    static_cast<float*>(kv.data())[7] = -amax;
+    static_cast<float*>(q.data())[3] = 1.0f;  // calibration needs every tensor non-zero
+    static_cast<float*>(pe.data())[1] = 0.5f;
+    ctx.begin_step({&view});
+    layer.forward(q.view(), kv.view(), pe.view(), out.view());
+    ctx.end_step();
+  };
+  step(0.0f);  // all zeros: nothing to calibrate on yet
+  EXPECT_TRUE(layer.calculate_kv_scales());
+  EXPECT_EQ(layer.k_scale(), 1.0f);
+  step(50.0f);
+  EXPECT_FALSE(layer.calculate_kv_scales());
+  EXPECT_FLOAT_EQ(layer.k_scale(), 50.0f / 200.0f);
+  step(400.0f);  // once only
+  EXPECT_FLOAT_EQ(layer.k_scale(), 50.0f / 200.0f);
+}
+
 }  // namespace
 }  // namespace pagedattn
