@@ -15,10 +15,10 @@
 //   warps     4 warps x 32 rows (d <= 128) or 8 warps x 16 rows; each warp owns its rows
 //             whole (FlashAttention-2's split of Q across warps: no merge at the end) and
 //             skips the tiles that its rows cannot see (causal diagonal, window edges).
-//   loads     Q once by cp.async; K and V of kBlockN = 64 keys per stage into a two-stage
-//             ring by 16-byte cp.async.cg from the rows the block table names (zero-filled
-//             past the split), one CTA barrier per tile. The rows' byte offsets come from a
-//             smem table that kBlockN threads fill two tiles ahead (one block-table read per
+//   loads     Q once by cp.async; K and V of kBlockN = 32-64 keys (config.h) per stage into a
+//             two-stage ring by 16-byte cp.async.cg from the rows the block table names
+//             (zero-filled past the split), one CTA barrier per tile. The rows' byte offsets come
+//             from a smem table that kBlockN threads fill two tiles ahead (one block-table read per
 //             row, not per 16-byte chunk: the per-chunk lookup cost ~115 instructions per
 //             copy pair in the SASS of the first version). fp8 stages are widened exactly to the
 //             activation type in shared memory (decode::Fp8Widen) before the MMAs read them.
