@@ -16,6 +16,7 @@
 #include "pagedattn/metadata.h"
 #include "pagedattn/mha.h"
 #include "pagedattn/mla.h"
+#include "pagedattn/parallel.h"
 #include "pagedattn/registry.h"
 #include "pagedattn/safetensors.h"
 #include "pagedattn/tensor.h"
