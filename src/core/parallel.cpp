@@ -80,4 +80,59 @@ TensorView shard_kv(const TensorView& kv, const TensorParallelShard& s, int head
   return head_range(kv, s.kv_head_begin, s.num_kv_heads, total_kv, head_size, "key/value");
 }
 
+DecodeContextParallel DecodeContextParallel::of(int rank, int world) {
+  require(world >= 1, "decode-context-parallel world size (", world, ") must be >= 1");
+  require(rank >= 0 && rank < world, "decode-context-parallel rank (", rank, ") must be in [0, ",
+          world, ")");
+  return DecodeContextParallel{rank, world};
+}
+
+std::vector<std::string> DecodeContextParallel::unsupported(const AttentionConfig& c) {
+  std::vector<std::string> why;
+  if (!uses_kv_cache(c.attn_type)) {
+    why.push_back(detail::cat(to_string(c.attn_type), " attention has no KV cache to spread"));
+  }
+  if (c.has_alibi()) why.push_back("ALiBi biases need global key positions");
+  if (c.sliding_window) why.push_back("a sliding window needs global key positions");
+  if (c.has_sinks()) why.push_back("sinks must join the denominator once, after the merge");
+  return why;
+}
+
+StepMetadata dcp_decode_metadata(const std::vector<DcpDecodeRequest>& requests, int block_size,
+                                 const DecodeContextParallel& dcp) {
+  MetadataBuilder b(block_size);
+  std::vector<bool> owner;
+  for (size_t r = 0; r < requests.size(); ++r) {
+    const int64_t seq = int64_t(requests[r].context_len) + 1;
+    const int64_t local = dcp.local_len(seq);
+    require(local >= 1, "request ", r, ": a sequence of ", seq, " tokens leaves rank ", dcp.rank,
+            " of ", dcp.world, " without keys; decode context parallelism needs >= ", dcp.world,
+            " tokens per request");
+    // The query is the last local position: it sees every local key, as it sees every global
+    // one (they all precede it).
+    b.add(RequestSpec{int(local - 1), 1, requests[r].local_block_ids});
+    owner.push_back(dcp.owns(seq - 1));
+  }
+  StepMetadata md = b.build();
+  for (size_t r = 0; r < owner.size(); ++r) {
+    if (!owner[r]) md.slot_mapping[r] = -1;  // that rank's last local key is an old token
+  }
+  return md;
+}
+
+void dcp_prefill_slots(int num_tokens, const std::vector<int32_t>& ids, int block_size,
+                       const DecodeContextParallel& dcp, std::vector<int64_t>& slots) {
+  for (int p = 0; p < num_tokens; ++p) {
+    if (!dcp.owns(p)) {
+      slots.push_back(-1);
+      continue;
+    }
+    const int64_t local = dcp.local_pos(p);
+    const int64_t block = local / block_size;
+    require(block < int64_t(ids.size()), "dcp_prefill_slots: local position ", local,
+            " needs block ", block, " but only ", ids.size(), " local blocks were given");
+    slots.push_back(int64_t(ids[size_t(block)]) * block_size + local % block_size);
+  }
+}
+
 }  // namespace pagedattn

@@ -142,3 +142,144 @@ TEST(TensorParallel, RanksGatheredEqualOneRank) {
 
 }  // namespace
 }  // namespace pagedattn
+
+namespace pagedattn {
+namespace {
+
+TEST(DecodeContextParallel, SpreadsTokensRoundRobin) {
+  const auto d = DecodeContextParallel::of(1, 3);
+  EXPECT_EQ(d.local_len(0), 0);
+  EXPECT_EQ(d.local_len(1), 0);
+  EXPECT_EQ(d.local_len(2), 1);  // position 1
+  EXPECT_EQ(d.local_len(8), 3);  // positions 1, 4, 7
+  EXPECT_TRUE(d.owns(7));
+  EXPECT_EQ(d.local_pos(7), 2);
+  EXPECT_ERROR(DecodeContextParallel::of(3, 3), InvalidArgument,
+               "decode-context-parallel rank (3) must be in [0, 3)");
+  EXPECT_ERROR(dcp_decode_metadata({{0, {1}}}, 16, d), InvalidArgument,
+               "needs >= 3 tokens per request");
+  AttentionConfig c;
+  c.num_heads = 4;
+  c.num_kv_heads = 1;
+  c.head_size = 16;
+  c.scale = 0.25f;
+  c.sliding_window = 8;
+  c.sinks = {0, 0, 0, 0};
+  const auto why = DecodeContextParallel::unsupported(c);
+  ASSERT_EQ(why.size(), 2u);
+  EXPECT_EQ(why[0], "a sliding window needs global key positions");
+}
+
+// A decode step of three requests (contexts 37, 5 and 64) over a cache spread on `world` ranks,
+// each rank's (output, LSE) merged by merge_states, against the same backend on one rank.
+TEST(DecodeContextParallel, MergedRanksEqualOneRank) {
+  std::mt19937 rng(21);
+  const int hq = 8, hk = 2, d = 32, bs = 16;
+  const std::vector<int> contexts = {37, 5, 64};
+  int64_t ctx_tokens = 0;
+  for (int c : contexts) ctx_tokens += c;
+  const Tensor ctx_k = random_host({ctx_tokens, hk, d}, rng),
+               ctx_v = random_host({ctx_tokens, hk, d}, rng);
+  const int64_t nreq = int64_t(contexts.size());
+  const Tensor new_k = random_host({nreq, hk, d}, rng), new_v = random_host({nreq, hk, d}, rng);
+  const Tensor q = random_host({nreq, hq, d}, rng);
+  AttentionConfig c;
+  c.num_heads = hq;
+  c.num_kv_heads = hk;
+  c.head_size = d;
+  c.scale = 0.18f;
+  c.dtype = DType::kF32;
+  c.block_size = bs;
+  c.logits_soft_cap = 20.0f;  // position-free features work under DCP
+  ASSERT_TRUE(DecodeContextParallel::unsupported(c).empty());
+  for (const Backend* backend : default_registry().backends()) {
+    if (!backend->check({c, Device::cpu()}).empty()) continue;
+    const auto impl = backend->make_impl(c, Device::cpu());
+    // One rank: every token in one cache.
+    Tensor want = Tensor::empty({nreq, hq, d}, DType::kF32);
+    {
+      KVCache cache = KVCache::allocate(c, 16);
+      MetadataBuilder prefill(bs), decode(bs);
+      int next_block = 1;
+      for (int ctx : contexts) {
+        std::vector<int32_t> ids;
+        for (int i = 0; i < (ctx + 1 + bs - 1) / bs; ++i) ids.push_back(next_block++);
+        prefill.add({0, ctx, ids});
+        decode.add({ctx, 1, ids});
+      }
+      const StepMetadata pm = prefill.build(), dm = decode.build();
+      const AttentionMetadata pv = pm.view(), dv = dm.view();
+      impl->write_kv({ctx_k.view(), ctx_v.view(), pv.slot_mapping, cache.view(), {}, {}});
+      impl->write_kv({new_k.view(), new_v.view(), dv.slot_mapping, cache.view(), {}, {}});
+      const auto plan = backend->plan(dv, c);
+      ForwardArgs f;
+      f.query = q.view();
+      f.kv_cache = cache.view();
+      f.metadata = &dv;
+      f.output = want.view();
+      f.plan = plan.get();
+      std::vector<uint8_t> ws(plan->workspace_bytes());
+      f.workspace = {ws.data(), ws.size()};
+      impl->forward(f);
+    }
+    for (int world : {2, 3, 4}) {
+      Tensor merged, merged_lse;
+      for (int r = 0; r < world; ++r) {
+        const auto dcp = DecodeContextParallel::of(r, world);
+        KVCache cache = KVCache::allocate(c, 16);
+        std::vector<DcpDecodeRequest> reqs;
+        std::vector<int64_t> slots;
+        int next_block = 1;
+        for (int ctx : contexts) {
+          DcpDecodeRequest req{ctx, {}};
+          for (int64_t i = 0; i < (dcp.local_len(ctx + 1) + bs - 1) / bs; ++i) {
+            req.local_block_ids.push_back(next_block++);
+          }
+          dcp_prefill_slots(ctx, req.local_block_ids, bs, dcp, slots);
+          reqs.push_back(req);
+        }
+        const Tensor slot_t = Tensor::empty({int64_t(slots.size())}, DType::kI64);
+        std::copy(slots.begin(), slots.end(), static_cast<int64_t*>(slot_t.data()));
+        impl->write_kv({ctx_k.view(), ctx_v.view(), slot_t.view(), cache.view(), {}, {}});
+        const StepMetadata dm = dcp_decode_metadata(reqs, bs, dcp);
+        const AttentionMetadata dv = dm.view();
+        impl->write_kv({new_k.view(), new_v.view(), dv.slot_mapping, cache.view(), {}, {}});
+        Tensor out = Tensor::empty({nreq, hq, d}, DType::kF32);
+        Tensor lse = Tensor::empty({hq, nreq}, DType::kF32);
+        const auto plan = backend->plan(dv, c);
+        ForwardArgs f;
+        f.query = q.view();
+        f.kv_cache = cache.view();
+        f.metadata = &dv;
+        f.output = out.view();
+        f.lse = lse.view();
+        f.plan = plan.get();
+        std::vector<uint8_t> ws(plan->workspace_bytes());
+        f.workspace = {ws.data(), ws.size()};
+        impl->forward(f);
+        if (r == 0) {
+          merged = std::move(out);
+          merged_lse = std::move(lse);
+          continue;
+        }
+        Tensor next = Tensor::empty({nreq, hq, d}, DType::kF32);
+        Tensor next_lse = Tensor::empty({hq, nreq}, DType::kF32);
+        backend->merge_states({merged.view(),
+                               merged_lse.view(),
+                               out.view(),
+                               lse.view(),
+                               next.view(),
+                               next_lse.view(),
+                               {}});
+        merged = std::move(next);
+        merged_lse = std::move(next_lse);
+      }
+      const ErrorStats e = compare(merged.view(), want.view());
+      EXPECT_LE(e.max_abs, 2e-6 * std::max(1.0, e.max_ref))
+          << backend->name() << " world " << world << ": " << e.to_string();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pagedattn
