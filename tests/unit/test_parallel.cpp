@@ -7,6 +7,7 @@
 #include <random>
 
 #include "common/expect_error.h"
+#include "common/parallel_scenarios.h"
 #include "pagedattn/accuracy.h"
 #include "pagedattn/error.h"
 #include "pagedattn/parallel.h"
@@ -38,103 +39,36 @@ TEST(TensorParallel, SplitsQueryHeadsAndSplitsOrReplicatesKvHeads) {
                "tensor-parallel rank (4) must be in [0, 4)");
 }
 
-Tensor random_host(const std::vector<int64_t>& shape, std::mt19937& rng) {
-  Tensor t = Tensor::empty(shape, DType::kF32);
-  std::normal_distribution<float> dist;
-  for (int64_t i = 0; i < t.view().numel(); ++i) static_cast<float*>(t.data())[i] = dist(rng);
-  return t;
-}
-
-// Two steps (prefill of two requests, then a decode and a chunk) through `layers` layers that
-// each see `q`/`k`/`v` through `feed`, writing into `out` through `out_view`.
-struct Steps {
-  std::vector<StepMetadata> md;
-  std::vector<Tensor> q, k, v;
-};
-
-Steps make_steps(int hq, int hk, int d, std::mt19937& rng) {
-  Steps s;
-  s.md.push_back(MetadataBuilder(16).add({0, 20, {1, 2}}).add({0, 9, {3}}).build());
-  s.md.push_back(MetadataBuilder(16).add({20, 1, {1, 2}}).add({9, 5, {3}}).build());
-  for (const StepMetadata& m : s.md) {
-    const int64_t t = m.view().num_actual_tokens;
-    s.q.push_back(random_host({t, int64_t(hq) * d}, rng));
-    s.k.push_back(random_host({t, int64_t(hk) * d}, rng));
-    s.v.push_back(random_host({t, int64_t(hk) * d}, rng));
-  }
-  return s;
-}
-
 TEST(TensorParallel, RanksGatheredEqualOneRank) {
-  std::mt19937 rng(9);
   struct Shape {
     int hq, hk, world;
     bool alibi, sinks;
   };
+  uint32_t seed = 9;
   for (const Shape sh : {Shape{8, 4, 2, false, false}, Shape{8, 2, 4, true, false},
                          Shape{8, 1, 4, false, true}, Shape{16, 2, 8, false, false}}) {
-    const int d = 32;
-    const Steps steps = make_steps(sh.hq, sh.hk, d, rng);
+    const test::TpScenario s = test::make_tp_scenario(sh.hq, sh.hk, sh.alibi, sh.sinks, seed++);
     for (const Backend* backend : default_registry().backends()) {
-      AttentionOptions o;
-      o.num_heads = sh.hq;
-      o.num_kv_heads = sh.hk;
-      o.head_size = d;
-      o.scale = 0.2f;
-      o.dtype = DType::kF32;
-      o.prefix = "model.layers.0.attn";
-      o.attn_backend = std::string(backend->name());
-      if (sh.alibi) o.alibi_slopes = alibi_slopes(sh.hq);
-      if (sh.sinks) {
-        for (int h = 0; h < sh.hq; ++h) o.sinks.push_back(0.3f * float(h) - 1.0f);
-      }
-      {
-        ForwardContext probe_ctx;
-        AttentionOptions probe = o;
-        probe.attn_backend.reset();
-        if (!backend->check({Attention(probe_ctx, probe).config(), Device::cpu()}).empty())
-          continue;
-      }
-      // One rank.
-      std::vector<Tensor> want;
-      {
-        ForwardContext ctx;
-        Attention layer(ctx, o);
-        KVCache cache = KVCache::allocate(layer.config(), 6);
-        layer.bind_kv_cache({cache.view()});
-        for (size_t i = 0; i < steps.md.size(); ++i) {
-          const AttentionMetadata md = steps.md[i].view();
-          ctx.begin_step({&md});
-          want.push_back(layer.forward(steps.q[i].view(), steps.k[i].view(), steps.v[i].view()));
-          ctx.end_step();
-        }
-      }
-      // N ranks, outputs written into their columns of one gathered tensor per step.
-      std::vector<Tensor> got;
-      for (size_t i = 0; i < steps.md.size(); ++i) {
-        got.push_back(Tensor::zeros(want[i].view().shape_vector(), DType::kF32));
-      }
+      AttentionConfig probe;
+      probe.num_heads = sh.hq;
+      probe.num_kv_heads = sh.hk;
+      probe.head_size = s.options.head_size;
+      probe.scale = s.options.scale;
+      probe.dtype = DType::kF32;
+      if (!backend->check({probe, Device::cpu()}).empty()) continue;
+      const std::string name(backend->name());
+      std::vector<Tensor> want, got;
+      test::run_tp(s, name, nullptr, want);
       for (int r = 0; r < sh.world; ++r) {
         const auto shard = TensorParallelShard::of(sh.hq, sh.hk, r, sh.world);
-        ForwardContext ctx;
-        Attention layer(ctx, shard_options(o, shard));
-        KVCache cache = KVCache::allocate(layer.config(), 6);
-        layer.bind_kv_cache({cache.view()});
-        for (size_t i = 0; i < steps.md.size(); ++i) {
-          const AttentionMetadata md = steps.md[i].view();
-          ctx.begin_step({&md});
-          layer.forward(
-              shard_query(steps.q[i].view(), shard, d), shard_kv(steps.k[i].view(), shard, d),
-              shard_kv(steps.v[i].view(), shard, d), shard_query(got[i].view(), shard, d));
-          ctx.end_step();
-        }
+        test::run_tp(s, name, &shard, got);
       }
-      for (size_t i = 0; i < steps.md.size(); ++i) {
+      for (size_t i = 0; i < want.size(); ++i) {
         const ErrorStats e = compare(got[i].view(), want[i].view());
         // Each head is computed by the same code on the same inputs either way.
         EXPECT_LE(e.max_abs, 1e-6 * std::max(1.0, e.max_ref))
-            << backend->name() << " hq " << sh.hq << " hk " << sh.hk << " world " << sh.world
-            << " step " << i << ": " << e.to_string();
+            << name << " hq " << sh.hq << " hk " << sh.hk << " world " << sh.world << " step " << i
+            << ": " << e.to_string();
       }
     }
   }
@@ -173,107 +107,19 @@ TEST(DecodeContextParallel, SpreadsTokensRoundRobin) {
 // A decode step of three requests (contexts 37, 5 and 64) over a cache spread on `world` ranks,
 // each rank's (output, LSE) merged by merge_states, against the same backend on one rank.
 TEST(DecodeContextParallel, MergedRanksEqualOneRank) {
-  std::mt19937 rng(21);
-  const int hq = 8, hk = 2, d = 32, bs = 16;
-  const std::vector<int> contexts = {37, 5, 64};
-  int64_t ctx_tokens = 0;
-  for (int c : contexts) ctx_tokens += c;
-  const Tensor ctx_k = random_host({ctx_tokens, hk, d}, rng),
-               ctx_v = random_host({ctx_tokens, hk, d}, rng);
-  const int64_t nreq = int64_t(contexts.size());
-  const Tensor new_k = random_host({nreq, hk, d}, rng), new_v = random_host({nreq, hk, d}, rng);
-  const Tensor q = random_host({nreq, hq, d}, rng);
-  AttentionConfig c;
-  c.num_heads = hq;
-  c.num_kv_heads = hk;
-  c.head_size = d;
-  c.scale = 0.18f;
-  c.dtype = DType::kF32;
-  c.block_size = bs;
-  c.logits_soft_cap = 20.0f;  // position-free features work under DCP
-  ASSERT_TRUE(DecodeContextParallel::unsupported(c).empty());
+  const test::DcpScenario s = test::make_dcp_scenario(21);
+  ASSERT_TRUE(DecodeContextParallel::unsupported(s.config).empty());
   for (const Backend* backend : default_registry().backends()) {
-    if (!backend->check({c, Device::cpu()}).empty()) continue;
-    const auto impl = backend->make_impl(c, Device::cpu());
-    // One rank: every token in one cache.
-    Tensor want = Tensor::empty({nreq, hq, d}, DType::kF32);
-    {
-      KVCache cache = KVCache::allocate(c, 16);
-      MetadataBuilder prefill(bs), decode(bs);
-      int next_block = 1;
-      for (int ctx : contexts) {
-        std::vector<int32_t> ids;
-        for (int i = 0; i < (ctx + 1 + bs - 1) / bs; ++i) ids.push_back(next_block++);
-        prefill.add({0, ctx, ids});
-        decode.add({ctx, 1, ids});
-      }
-      const StepMetadata pm = prefill.build(), dm = decode.build();
-      const AttentionMetadata pv = pm.view(), dv = dm.view();
-      impl->write_kv({ctx_k.view(), ctx_v.view(), pv.slot_mapping, cache.view(), {}, {}});
-      impl->write_kv({new_k.view(), new_v.view(), dv.slot_mapping, cache.view(), {}, {}});
-      const auto plan = backend->plan(dv, c);
-      ForwardArgs f;
-      f.query = q.view();
-      f.kv_cache = cache.view();
-      f.metadata = &dv;
-      f.output = want.view();
-      f.plan = plan.get();
-      std::vector<uint8_t> ws(plan->workspace_bytes());
-      f.workspace = {ws.data(), ws.size()};
-      impl->forward(f);
-    }
+    if (!backend->check({s.config, Device::cpu()}).empty()) continue;
+    Tensor want, want_lse;
+    test::run_dcp(s, *backend, nullptr, want, want_lse);
     for (int world : {2, 3, 4}) {
-      Tensor merged, merged_lse;
+      std::vector<Tensor> outs(static_cast<size_t>(world)), lses(static_cast<size_t>(world));
       for (int r = 0; r < world; ++r) {
         const auto dcp = DecodeContextParallel::of(r, world);
-        KVCache cache = KVCache::allocate(c, 16);
-        std::vector<DcpDecodeRequest> reqs;
-        std::vector<int64_t> slots;
-        int next_block = 1;
-        for (int ctx : contexts) {
-          DcpDecodeRequest req{ctx, {}};
-          for (int64_t i = 0; i < (dcp.local_len(ctx + 1) + bs - 1) / bs; ++i) {
-            req.local_block_ids.push_back(next_block++);
-          }
-          dcp_prefill_slots(ctx, req.local_block_ids, bs, dcp, slots);
-          reqs.push_back(req);
-        }
-        const Tensor slot_t = Tensor::empty({int64_t(slots.size())}, DType::kI64);
-        std::copy(slots.begin(), slots.end(), static_cast<int64_t*>(slot_t.data()));
-        impl->write_kv({ctx_k.view(), ctx_v.view(), slot_t.view(), cache.view(), {}, {}});
-        const StepMetadata dm = dcp_decode_metadata(reqs, bs, dcp);
-        const AttentionMetadata dv = dm.view();
-        impl->write_kv({new_k.view(), new_v.view(), dv.slot_mapping, cache.view(), {}, {}});
-        Tensor out = Tensor::empty({nreq, hq, d}, DType::kF32);
-        Tensor lse = Tensor::empty({hq, nreq}, DType::kF32);
-        const auto plan = backend->plan(dv, c);
-        ForwardArgs f;
-        f.query = q.view();
-        f.kv_cache = cache.view();
-        f.metadata = &dv;
-        f.output = out.view();
-        f.lse = lse.view();
-        f.plan = plan.get();
-        std::vector<uint8_t> ws(plan->workspace_bytes());
-        f.workspace = {ws.data(), ws.size()};
-        impl->forward(f);
-        if (r == 0) {
-          merged = std::move(out);
-          merged_lse = std::move(lse);
-          continue;
-        }
-        Tensor next = Tensor::empty({nreq, hq, d}, DType::kF32);
-        Tensor next_lse = Tensor::empty({hq, nreq}, DType::kF32);
-        backend->merge_states({merged.view(),
-                               merged_lse.view(),
-                               out.view(),
-                               lse.view(),
-                               next.view(),
-                               next_lse.view(),
-                               {}});
-        merged = std::move(next);
-        merged_lse = std::move(next_lse);
+        test::run_dcp(s, *backend, &dcp, outs[size_t(r)], lses[size_t(r)]);
       }
+      const Tensor merged = test::merge_ranks(*backend, outs, lses);
       const ErrorStats e = compare(merged.view(), want.view());
       EXPECT_LE(e.max_abs, 2e-6 * std::max(1.0, e.max_ref))
           << backend->name() << " world " << world << ": " << e.to_string();
