@@ -42,6 +42,31 @@ double flops(const Shape& s) {
   return 4.0 * s.head_size * pairs * s.num_heads * s.batch;
 }
 
+// Graph-replayed median of `body` in microseconds (enough launches per replay for ~2 ms).
+template <class F>
+double graph_us(cudaStream_t stream, bool quick, F&& body) {
+  body();
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  const double one_ms = median(time_ms(stream, 3, body));
+  const int per_graph = std::clamp(int(std::ceil(2.0 / std::max(one_ms, 1e-3))), 1, 64);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < per_graph; ++i) body();
+  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  const auto warm0 = std::chrono::steady_clock::now();
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - warm0).count() < 0.1) {
+    BENCH_CUDA(cudaGraphLaunch(exec, stream));
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+  }
+  const auto ms =
+      time_ms(stream, quick ? 5 : 11, [&] { BENCH_CUDA(cudaGraphLaunch(exec, stream)); });
+  BENCH_CUDA(cudaGraphExecDestroy(exec));
+  BENCH_CUDA(cudaGraphDestroy(graph));
+  return median(ms) * 1e3 / per_graph;
+}
+
 json run_point(const Backend& backend, const Shape& s, bool quick, std::mt19937& rng,
                cudaStream_t stream) {
   AttentionConfig c;
@@ -109,56 +134,11 @@ json run_point(const Backend& backend, const Shape& s, bool quick, std::mt19937&
     f.stream = {stream};
     impl->forward(f);
   };
-  // Enough launches per replay for ~2 ms, so launch gaps do not count.
-  forward();
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  const double one_ms = median(time_ms(stream, 3, forward));
-  const int per_graph = std::clamp(int(std::ceil(2.0 / std::max(one_ms, 1e-3))), 1, 64);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < per_graph; ++i) forward();
-  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
-  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  const auto warm0 = std::chrono::steady_clock::now();
-  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - warm0).count() < 0.1) {
-    BENCH_CUDA(cudaGraphLaunch(exec, stream));
-    BENCH_CUDA(cudaStreamSynchronize(stream));
-  }
-  const auto ms =
-      time_ms(stream, quick ? 5 : 11, [&] { BENCH_CUDA(cudaGraphLaunch(exec, stream)); });
-  BENCH_CUDA(cudaGraphExecDestroy(exec));
-  BENCH_CUDA(cudaGraphDestroy(graph));
-  const double us = median(ms) * 1e3 / per_graph;
+  const double us = graph_us(stream, quick, forward);
   r["us"] = us;
   r["tflops"] = flops(s) / (us * 1e-6) / 1e12;
   r["num_splits_workspace_bytes"] = plan->workspace_bytes();
   return r;
-}
-
-// Graph-replayed median of `body` in microseconds (enough launches per replay for ~2 ms).
-template <class F>
-double graph_us(cudaStream_t stream, bool quick, F&& body) {
-  body();
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  const double one_ms = median(time_ms(stream, 3, body));
-  const int per_graph = std::clamp(int(std::ceil(2.0 / std::max(one_ms, 1e-3))), 1, 64);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < per_graph; ++i) body();
-  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
-  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  const auto warm0 = std::chrono::steady_clock::now();
-  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - warm0).count() < 0.1) {
-    BENCH_CUDA(cudaGraphLaunch(exec, stream));
-    BENCH_CUDA(cudaStreamSynchronize(stream));
-  }
-  const auto ms =
-      time_ms(stream, quick ? 5 : 11, [&] { BENCH_CUDA(cudaGraphLaunch(exec, stream)); });
-  BENCH_CUDA(cudaGraphExecDestroy(exec));
-  BENCH_CUDA(cudaGraphDestroy(graph));
-  return median(ms) * 1e3 / per_graph;
 }
 
 // MultiHeadAttention (no cache, not causal) at ViT shapes: [B, S, H*D] bf16, FLOPs 4*S*S*D*H*B.

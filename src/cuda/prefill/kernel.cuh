@@ -477,35 +477,46 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
     store_rows<T::act>(p, w, o[mt], m[mt], l[mt], wrow0 + mt * 16 + g, t4);
 }
 
-// Raises the kernel's dynamic shared memory limit once per device.
+// Host side of a prefill kernel `kernel` of traits T (T::kThreads, T::layout().total), shared
+// by the portable and the Hopper kernels: the dynamic shared memory limit raised once per device
+// (benign if two threads race), the launch over q tiles x requests x KV heads and splits, and
+// the occupancy the split planner reads.
 template <class T>
-void prepare_prefill(int device) {
-  static std::atomic<uint64_t> done{0};
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (done.load(std::memory_order_acquire) & bit) return;
-  PAGEDATTN_CUDA_CHECK(cudaFuncSetAttribute(
-      prefill_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::layout().total));
-  done.fetch_or(bit, std::memory_order_acq_rel);
-}
+struct PrefillHost {
+  static void prepare(void (*kernel)(DecodeParams), int device) {
+    static std::atomic<uint64_t> done{0};
+    const uint64_t bit = uint64_t(1) << (device & 63);
+    if (done.load(std::memory_order_acquire) & bit) return;
+    PAGEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              T::layout().total));
+    done.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  static void launch(void (*kernel)(DecodeParams), const DecodeParams& p, cudaStream_t stream) {
+    const dim3 grid(unsigned(p.num_q_tiles) * unsigned(p.num_seqs) * unsigned(p.num_kv_heads),
+                    unsigned(p.num_splits));
+    if (grid.x == 0 || grid.y == 0) return;
+    int device = 0;
+    PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+    prepare(kernel, device);
+    decode::launch_with_pdl(kernel, grid, dim3(T::kThreads), T::layout().total, stream, p);
+  }
+  static int ctas_per_sm(void (*kernel)(DecodeParams), int device) {
+    prepare(kernel, device);
+    int n = 0;
+    PAGEDATTN_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, T::kThreads, T::layout().total));
+    return n;
+  }
+};
 
 template <class T>
 void PrefillOps<T>::launch(const DecodeParams& p, cudaStream_t stream) {
-  const dim3 grid(unsigned(p.num_q_tiles) * unsigned(p.num_seqs) * unsigned(p.num_kv_heads),
-                  unsigned(p.num_splits));
-  if (grid.x == 0 || grid.y == 0) return;
-  int device = 0;
-  PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-  prepare_prefill<T>(device);
-  decode::launch_with_pdl(prefill_kernel<T>, grid, dim3(T::kThreads), T::layout().total, stream, p);
+  PrefillHost<T>::launch(prefill_kernel<T>, p, stream);
 }
 
 template <class T>
 int PrefillOps<T>::ctas_per_sm(int device) {
-  prepare_prefill<T>(device);
-  int n = 0;
-  PAGEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &n, prefill_kernel<T>, T::kThreads, T::layout().total));
-  return n;
+  return PrefillHost<T>::ctas_per_sm(prefill_kernel<T>, device);
 }
 
 }  // namespace pagedattn::cuda::prefill

@@ -327,34 +327,13 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
 }
 
 template <class T>
-void prepare_prefill_sm90(int device) {
-  static std::atomic<uint64_t> done{0};
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (done.load(std::memory_order_acquire) & bit) return;
-  PAGEDATTN_CUDA_CHECK(cudaFuncSetAttribute(
-      prefill_sm90_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::layout().total));
-  done.fetch_or(bit, std::memory_order_acq_rel);
-}
-
-template <class T>
 void PrefillSm90Ops<T>::launch(const DecodeParams& p, cudaStream_t stream) {
-  const dim3 grid(unsigned(p.num_q_tiles) * unsigned(p.num_seqs) * unsigned(p.num_kv_heads),
-                  unsigned(p.num_splits));
-  if (grid.x == 0 || grid.y == 0) return;
-  int device = 0;
-  PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-  prepare_prefill_sm90<T>(device);
-  decode::launch_with_pdl(prefill_sm90_kernel<T>, grid, dim3(T::kThreads), T::layout().total,
-                          stream, p);
+  PrefillHost<T>::launch(prefill_sm90_kernel<T>, p, stream);
 }
 
 template <class T>
 int PrefillSm90Ops<T>::ctas_per_sm(int device) {
-  prepare_prefill_sm90<T>(device);
-  int n = 0;
-  PAGEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &n, prefill_sm90_kernel<T>, T::kThreads, T::layout().total));
-  return n;
+  return PrefillHost<T>::ctas_per_sm(prefill_sm90_kernel<T>, device);
 }
 
 }  // namespace pagedattn::cuda::prefill
