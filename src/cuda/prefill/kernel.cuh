@@ -165,6 +165,33 @@ __device__ __forceinline__ bool prefill_work(const DecodeParams& p, int block_m,
   return true;
 }
 
+// Chunk `col` (8 elements, 16 bytes) of packed query row `row` (CTA-local: token row / G, head
+// kv_head * G + row % G) into shared memory at `dst`: by cp.async when the rows allow 16-byte
+// copies (zeros past the rows), else by 16-bit loads and one 16-byte store.
+template <DType kAct>
+__device__ __forceinline__ void copy_q_chunk(const DecodeParams& p, const decode::Work& w, int row,
+                                             int col, unsigned char* dst) {
+  const char* src = nullptr;
+  if (row < w.num_rows) {
+    const int pr = w.row0 + row;
+    const int head = w.kv_head * p.group + pr % p.group;
+    src = static_cast<const char*>(p.q) + ((int64_t(w.q_begin) + pr / p.group) * p.q_stride_token +
+                                           int64_t(head) * p.q_stride_head + col * 8) *
+                                              kElemBytes<kAct>;
+  }
+  if (p.vec_q) {
+    sm80::cp_async_16(sm80::smem_addr(dst), src != nullptr ? src : p.q, src != nullptr ? 16 : 0, 0);
+    return;
+  }
+  uint4 raw = make_uint4(0, 0, 0, 0);
+  if (src != nullptr) {
+    uint16_t* r16 = reinterpret_cast<uint16_t*>(&raw);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) r16[e] = reinterpret_cast<const uint16_t*>(src)[e];
+  }
+  *reinterpret_cast<uint4*>(dst) = raw;
+}
+
 // Keys that rows [row_first, row_last] (CTA-local) can see, clamped to the split: tiles
 // outside [lo, hi) are skipped; tiles inside [mask_lo, mask_hi) need no mask.
 struct RowsSpan {
@@ -274,28 +301,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
     constexpr int kQChunks = D / 8;
     for (int c = threadIdx.x; c < T::kBlockM * kQChunks; c += T::kThreads) {
       const int row = c / kQChunks, col = c - row * kQChunks;
-      unsigned char* dst = smem + row * lay.q_row_bytes + col * 16;
-      const char* src = nullptr;
-      if (row < w.num_rows) {
-        const int pr = w.row0 + row;
-        const int head = w.kv_head * p.group + pr % p.group;
-        src = static_cast<const char*>(p.q) +
-              ((int64_t(w.q_begin) + pr / p.group) * p.q_stride_token +
-               int64_t(head) * p.q_stride_head + col * 8) *
-                  kElemBytes<T::act>;
-      }
-      if (p.vec_q) {
-        sm80::cp_async_16(sm80::smem_addr(dst), src != nullptr ? src : p.q, src != nullptr ? 16 : 0,
-                          0);
-      } else {
-        uint4 raw = make_uint4(0, 0, 0, 0);
-        if (src != nullptr) {
-          uint16_t* r16 = reinterpret_cast<uint16_t*>(&raw);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) r16[e] = reinterpret_cast<const uint16_t*>(src)[e];
-        }
-        *reinterpret_cast<uint4*>(dst) = raw;
-      }
+      copy_q_chunk<T::act>(p, w, row, col, smem + row * lay.q_row_bytes + col * 16);
     }
   }
 

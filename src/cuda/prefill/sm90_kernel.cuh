@@ -107,29 +107,9 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   // Q: packed row r -> token r / G, head kv_head * G + r % G; zeros past the rows.
   for (int c = ct; c < kBlockM * kChunks; c += 128) {
     const int row = c / kChunks, col = c - row * kChunks;
-    unsigned char* dst =
-        smem + lay.q_offset + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7);
-    const char* src = nullptr;
-    if (row < w.num_rows) {
-      const int pr = w.row0 + row;
-      const int head = w.kv_head * p.group + pr % p.group;
-      src =
-          static_cast<const char*>(p.q) + ((int64_t(w.q_begin) + pr / p.group) * p.q_stride_token +
-                                           int64_t(head) * p.q_stride_head + col * 8) *
-                                              kElemBytes<T::act>;
-    }
-    if (p.vec_q) {
-      sm80::cp_async_16(sm80::smem_addr(dst), src != nullptr ? src : p.q, src != nullptr ? 16 : 0,
-                        0);
-    } else {
-      uint4 raw = make_uint4(0, 0, 0, 0);
-      if (src != nullptr) {
-        uint16_t* r16 = reinterpret_cast<uint16_t*>(&raw);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) r16[e] = reinterpret_cast<const uint16_t*>(src)[e];
-      }
-      *reinterpret_cast<uint4*>(dst) = raw;
-    }
+    copy_q_chunk<T::act>(
+        p, w, row, col,
+        smem + lay.q_offset + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7));
   }
   ptx::cp_async_mbarrier_arrive_noinc(bars.q_full());
 
