@@ -87,27 +87,33 @@ void bind_caches(PyAttention& a, nb::handle caches, int kv_cache_group) {
   a.caches = nb::borrow(caches);
 }
 
+// The output-buffer convention of every layer's forward: `run(out)` (with the GIL released)
+// writes into `output` when one is given (and it is returned), else into a new zeroed tensor of
+// `shape` that is returned.
+template <class Run>
+nb::object run_into(nb::handle output, const std::vector<int64_t>& shape, DType dtype,
+                    Device device, Run&& run) {
+  Tensor owned;
+  const TensorView out = output.is_none() ? (owned = Tensor::zeros(shape, dtype, device)).view()
+                                          : to_view(output, "output", true);
+  {
+    nb::gil_scoped_release release;
+    run(out);
+  }
+  return output.is_none() ? export_tensor(owned) : nb::borrow(output);
+}
+
 nb::object forward(PyAttention& a, nb::handle query, nb::handle key, nb::handle value,
                    nb::handle output, nb::handle lse) {
   const TensorView q = to_view(query, "query");
   const TensorView k = to_view(key, "key");
   const TensorView v = to_view(value, "value");
-  if (output.is_none()) {
-    require(lse.is_none(), "lse needs an output buffer");
-    Tensor out;
-    {
-      nb::gil_scoped_release release;
-      out = a.layer.forward(q, k, v);
-    }
-    return export_tensor(out);
-  }
-  const TensorView o = to_view(output, "output", true);
+  require(!output.is_none() || lse.is_none(), "lse needs an output buffer");
   const TensorView l = to_view(lse, "lse", true);
-  {
-    nb::gil_scoped_release release;
-    a.layer.forward(q, k, v, o, l);
-  }
-  return nb::borrow(output);
+  const AttentionConfig& c = a.layer.config();
+  return run_into(output, {q.defined() ? q.size(0) : 0, int64_t(c.num_heads) * c.head_size},
+                  q.dtype, q.device,
+                  [&](const TensorView& out) { a.layer.forward(q, k, v, out, l); });
 }
 
 /// pagedattn.MultiHeadAttention: vLLM's no-cache layer for vision encoders.
@@ -136,20 +142,9 @@ nb::object mha_forward(PyMultiHeadAttention& a, nb::handle query, nb::handle key
   const TensorView q = to_view(query, "query");
   const TensorView k = to_view(key, "key");
   const TensorView v = to_view(value, "value");
-  if (output.is_none()) {
-    Tensor out;
-    {
-      nb::gil_scoped_release release;
-      out = a.layer.forward(q, k, v);
-    }
-    return export_tensor(out);
-  }
-  const TensorView o = to_view(output, "output", true);
-  {
-    nb::gil_scoped_release release;
-    a.layer.forward(q, k, v, o);
-  }
-  return nb::borrow(output);
+  require(q.defined(), "query is required");
+  return run_into(output, q.shape_vector(), q.dtype, q.device,
+                  [&](const TensorView& out) { a.layer.forward(q, k, v, out); });
 }
 
 /// pagedattn.MLAAttention: the layer plus its bound latent cache (kept alive).
@@ -186,22 +181,10 @@ nb::object mla_forward(PyMLA& a, nb::handle q, nb::handle kv_c_normed, nb::handl
   const TensorView qv = to_view(q, "q");
   const TensorView kv = to_view(kv_c_normed, "kv_c_normed");
   const TensorView pe = to_view(k_pe, "k_pe");
-  const auto& c = a.layer.config();
-  nb::object out_obj = nb::borrow(output);
-  Tensor owned;
-  TensorView out;
-  if (output.is_none()) {
-    owned = Tensor::zeros({qv.size(0), int64_t(c.num_heads) * a.layer.v_head_dim()}, c.dtype,
-                          qv.device);
-    out = owned.view();
-  } else {
-    out = to_view(output, "output", true);
-  }
-  {
-    nb::gil_scoped_release release;
-    a.layer.forward(qv, kv, pe, out);
-  }
-  return output.is_none() ? export_tensor(owned) : out_obj;
+  require(qv.defined(), "q is required");
+  const AttentionConfig& c = a.layer.config();
+  return run_into(output, {qv.size(0), int64_t(c.num_heads) * a.layer.v_head_dim()}, c.dtype,
+                  qv.device, [&](const TensorView& out) { a.layer.forward(qv, kv, pe, out); });
 }
 
 }  // namespace
