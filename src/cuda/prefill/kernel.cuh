@@ -127,6 +127,16 @@ __device__ __forceinline__ void softmax_scores(const DecodeParams& p, const deco
   for (int h = 0; h < 2; ++h) l[h] = l[h] * corr[h] + sum[h];
 }
 
+// P of keys [16 kk, 16 kk + 16) of one m16 tile, packed as the A fragment of the P V product
+// (the accumulator layout of S is the A layout of m16n8k16 and of wgmma's register A).
+template <DType kAct, int kSn>
+__device__ __forceinline__ void pack_p(const float (&s)[kSn][4], int kk, uint32_t (&pa)[4]) {
+  pa[0] = pack2<kAct>(s[2 * kk][0], s[2 * kk][1]);
+  pa[1] = pack2<kAct>(s[2 * kk][2], s[2 * kk][3]);
+  pa[2] = pack2<kAct>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  pa[3] = pack2<kAct>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
 template <int kNt>
 __device__ __forceinline__ void rescale_o(float (&o)[kNt][4], const float (&corr)[2]) {
 #pragma unroll
@@ -455,12 +465,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
       for (int kk = 0; kk < kSn / 2; ++kk) {
         uint32_t pa[kMt][4];
 #pragma unroll
-        for (int mt = 0; mt < kMt; ++mt) {
-          pa[mt][0] = pack2<T::act>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-          pa[mt][1] = pack2<T::act>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-          pa[mt][2] = pack2<T::act>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-          pa[mt][3] = pack2<T::act>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-        }
+        for (int mt = 0; mt < kMt; ++mt) pack_p<T::act>(s[mt], kk, pa[mt]);
 #pragma unroll
         for (int np = 0; np < kNt / 2; ++np) {
           uint32_t b[4];

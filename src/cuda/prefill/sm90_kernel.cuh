@@ -237,12 +237,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   };
   auto pack = [&](const float(&sacc)[kSn][4]) {
 #pragma unroll
-    for (int c = 0; c < kBlockN / 16; ++c) {
-      pa[c][0] = pack2<T::act>(sacc[2 * c][0], sacc[2 * c][1]);
-      pa[c][1] = pack2<T::act>(sacc[2 * c][2], sacc[2 * c][3]);
-      pa[c][2] = pack2<T::act>(sacc[2 * c + 1][0], sacc[2 * c + 1][1]);
-      pa[c][3] = pack2<T::act>(sacc[2 * c + 1][2], sacc[2 * c + 1][3]);
-    }
+    for (int c = 0; c < kBlockN / 16; ++c) pack_p<T::act>(sacc, c, pa[c]);
   };
   // A tile this warpgroup's rows cannot see: released once landed (the other warpgroup may
   // need it; the producer refills a stage only when both have released it).
