@@ -2,7 +2,9 @@
 // CUDA-graph replays (and eagerly), on random data with rotating block tables so that the
 // working set exceeds L2. Writes JSON (bench/gpu/report.py merges it with the torch peers).
 //
-//   bench_decode --out ours.json [--quick] [--max-tokens N]
+//   bench_decode --out ours.json [--quick] [--max-tokens N] [--only S1,S2,...]
+//
+// --only keeps the points whose label contains one of the substrings (ncu runs use it).
 //
 // Bytes counted: each valid K and V byte once (sum over requests of seq_len * Hkv * D * elem
 // * 2); split partials, Q and O are not counted (docs/kernel_notes.md). The device copy rate
@@ -38,14 +40,15 @@ struct Shape {
   int num_heads = 32, num_kv_heads = 8, head_size = 128, block_size = 16;
   DType dtype = DType::kBF16;
   KVCacheDType kv = KVCacheDType::kAuto;
+  KVCacheLayout layout = KVCacheLayout::kNHD;
   int layers = 0;  // > 0: a whole step (write_kv + attention) of this many layers in one graph
 };
 
 std::string label(const Shape& s) {
   char buf[256];
-  std::snprintf(buf, sizeof buf, "%s b%d ctx%d q%d h%d/%d d%d bs%d %s%s", s.group.c_str(), s.batch,
-                s.context, s.q_len, s.num_heads, s.num_kv_heads, s.head_size, s.block_size,
-                std::string(to_string(s.kv)).c_str(),
+  std::snprintf(buf, sizeof buf, "%s b%d ctx%d q%d h%d/%d d%d bs%d %s%s%s", s.group.c_str(),
+                s.batch, s.context, s.q_len, s.num_heads, s.num_kv_heads, s.head_size, s.block_size,
+                std::string(to_string(s.kv)).c_str(), s.layout == KVCacheLayout::kHND ? " HND" : "",
                 s.layers ? (" layers" + std::to_string(s.layers)).c_str() : "");
   return buf;
 }
@@ -54,6 +57,7 @@ struct Options {
   std::string out = "bench_ours.json";
   bool quick = false;
   int64_t max_tokens = int64_t(8) << 20;  // batch * context cap per point
+  std::vector<std::string> only;          // label substrings to keep (empty: all)
 };
 
 json run_point(const Backend& backend, const Shape& s, const Options& o, size_t l2_bytes,
@@ -77,6 +81,7 @@ json run_point(const Backend& backend, const Shape& s, const Options& o, size_t 
             {"block_size", s.block_size},
             {"dtype", std::string(dtype_name(s.dtype))},
             {"kv_cache_dtype", std::string(to_string(s.kv))},
+            {"layout", s.layout == KVCacheLayout::kHND ? "HND" : "NHD"},
             {"layers", s.layers}};
   const auto reasons = backend.check({c, Device::cuda(0)});
   if (!reasons.empty()) {
@@ -96,7 +101,7 @@ json run_point(const Backend& backend, const Shape& s, const Options& o, size_t 
       std::clamp(int(std::ceil(4.0 * double(l2_bytes) / kv_bytes)), 1, o.quick ? 8 : 64);
   const int64_t num_blocks = int64_t(blocks_per_seq) * s.batch * rotations + 1;
   KVCache cache = KVCache::allocate(num_blocks, s.block_size, s.num_kv_heads, s.head_size,
-                                    cache_dtype, KVCacheLayout::kNHD, dev);
+                                    cache_dtype, s.layout, dev);
   fill_random(cache.storage().data(), cache.storage().view().nbytes(), cache_dtype, rng, stream);
 
   // Metadata per rotation: shuffled, disjoint blocks (block 0 stays the null block).
@@ -249,6 +254,19 @@ std::vector<Shape> shapes(const Options& o) {
     x.block_size = 128;
     v.push_back(x);
     x = s;
+    x.group = "fp8-e5m2";
+    x.kv = KVCacheDType::kFp8E5M2;
+    v.push_back(x);
+    // HND ([blocks][Hkv][bs][D]: each block and head 4 KB contiguous) as the control for the
+    // row gather of NHD.
+    x = s;
+    x.group = "hnd";
+    x.layout = KVCacheLayout::kHND;
+    v.push_back(x);
+    x.group = "hnd-fp8-e4m3";
+    x.kv = KVCacheDType::kFp8E4M3;
+    v.push_back(x);
+    x = s;
     x.group = "q4";
     x.q_len = 4;
     v.push_back(x);
@@ -274,8 +292,16 @@ int main(int argc, char** argv) {
       o.quick = true;
     } else if (a == "--max-tokens" && i + 1 < argc) {
       o.max_tokens = std::atoll(argv[++i]);
+    } else if (a == "--only" && i + 1 < argc) {
+      std::string list = argv[++i];
+      for (size_t p = 0; p <= list.size();) {
+        const size_t q = std::min(list.find(',', p), list.size());
+        if (q > p) o.only.push_back(list.substr(p, q - p));
+        p = q + 1;
+      }
     } else {
-      std::fprintf(stderr, "usage: bench_decode [--out FILE] [--quick] [--max-tokens N]\n");
+      std::fprintf(stderr,
+                   "usage: bench_decode [--out FILE] [--quick] [--max-tokens N] [--only S1,S2]\n");
       return 2;
     }
   }
@@ -303,6 +329,11 @@ int main(int argc, char** argv) {
                 prop.multiProcessorCount, prop.l2CacheSize >> 20, doc["copy_gbps"].get<double>());
     json results = json::array();
     for (const Shape& s : shapes(o)) {
+      if (!o.only.empty() && std::none_of(o.only.begin(), o.only.end(), [&](const std::string& x) {
+            return label(s).find(x) != std::string::npos;
+          })) {
+        continue;
+      }
       json r = run_point(*backend, s, o, size_t(prop.l2CacheSize), rng, stream);
       if (r.contains("us")) {
         std::printf("%-58s %9.1f us  %7.0f GB/s  (eager %7.0f GB/s, spread %.1f us)\n",

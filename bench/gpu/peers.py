@@ -11,7 +11,10 @@ CUDA graph, CUDA events around each replay, the median of the replays. 4-token q
 without a mask (SDPA's is_causal is top-left aligned, which is wrong for decode): the same
 bytes, slightly less arithmetic than ours.
 
-    python3 bench/gpu/peers.py --out peers.json [--quick] [--max-tokens N]
+    python3 bench/gpu/peers.py --out peers.json [--quick] [--max-tokens N] [--only S1,S2]
+
+--only keeps the points whose tag ("mha32/32 b64 ctx4096 q1 cudnn") contains one of the
+substrings (ncu runs use it).
 """
 
 import argparse
@@ -110,7 +113,9 @@ def main():
     ap.add_argument("--out", default="bench_peers.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=8 << 20)
+    ap.add_argument("--only", default="")
     args = ap.parse_args()
+    only = [x for x in args.only.split(",") if x]
     if not torch.cuda.is_available():
         print("peers: no CUDA device", file=sys.stderr)
         return 2
@@ -121,9 +126,11 @@ def main():
            "results": []}
     for shape in shapes(args.quick, args.max_tokens):
         for backend in BACKENDS:
+            tag = f"{shape['group']} b{shape['batch']} ctx{shape['context']} q{shape['q_len']} {backend}"
+            if only and not any(x in tag for x in only):
+                continue
             r = {**shape, **bench(shape, backend, l2, repeats)}
             doc["results"].append(r)
-            tag = f"{shape['group']} b{shape['batch']} ctx{shape['context']} q{shape['q_len']} {backend}"
             if "us" in r:
                 print(f"peer {tag:48s} {r['us']:9.1f} us {r['gbps']:7.0f} GB/s", flush=True)
             else:

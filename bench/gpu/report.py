@@ -31,7 +31,8 @@ def main():
     for p in peers["results"]:
         peer_by.setdefault(key(p), {})[p["backend"]] = p
     # Paged-only variants compare with the contiguous bf16 peer of the same shape.
-    alias = {"bs1": "gqa32/8-d128", "bs128": "gqa32/8-d128", "step-32-layers": "gqa32/8-d128"}
+    alias = {"bs1": "gqa32/8-d128", "bs128": "gqa32/8-d128", "step-32-layers": "gqa32/8-d128",
+             "hnd": "gqa32/8-d128"}
     rows = []
     for r in ours["results"]:
         row = dict(r)

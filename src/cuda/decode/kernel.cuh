@@ -39,6 +39,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/arch/sm80/ptx.cuh"
 #include "cuda/common/check.h"
@@ -102,6 +103,10 @@ struct ThreadRow {
   int lo, hi;    // visible keys clamped to the split; lo >= hi for padding rows
   int pos;       // absolute position of the query token
   float alibi2;  // ALiBi slope * log2(e), 0 without ALiBi
+  /// Multipliers of the raw q.k of this row: to log2 units (scale * k_scale * log2 e) and to
+  /// the soft cap's tanh argument; both also undo the power of two the fp8 kernel scales a
+  /// bf16 query row by (decode_kernel, store_q).
+  float score2 = 0.0f, cap_arg = 0.0f;
 };
 
 // Scale, soft cap, ALiBi and mask of one 16-key tile of S (this thread's 8 scores), then the
@@ -118,14 +123,14 @@ __device__ __forceinline__ void softmax_tile(const DecodeParams& p, float (&s)[2
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        s[nt][c] = p.softcap_log2 * tanhf(s[nt][c] * p.softcap_arg_scale);
+        s[nt][c] = p.softcap_log2 * tanhf(s[nt][c] * rows[c >> 1].cap_arg);
       }
     }
   } else {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) s[nt][c] *= p.scale_log2;
+      for (int c = 0; c < 4; ++c) s[nt][c] *= rows[c >> 1].score2;
     }
   }
   if (p.alibi_slopes != nullptr || need_mask) {
@@ -302,6 +307,44 @@ __device__ __forceinline__ void widen_stage(const DecodeParams& p, const SmemLay
   }
 }
 
+// The fp8 kernel multiplies in f16 for both activation types: every e4m3 / e5m2 value is exact
+// in f16, and the hardware converts two codes per instruction (F2FP.F16.E4M3.UNPACK_B), where
+// widening to bf16 takes a bit trick and a multiply per pair (Fp8Widen, ~4.5 instructions).
+// Half kHi of `w` (bytes 2, 3, else 0, 1), the lower byte into the lower half.
+template <bool kE5m2, int kHi>
+__device__ __forceinline__ uint32_t fp8x2_f16(uint32_t w) {
+  return fp8x2_to_16bit<DType::kF16>(uint16_t(kHi ? w >> 16 : w), kE5m2);
+}
+
+// A bf16 query row meets the fp8 cache in f16: it is scaled by 2^k with k chosen so that its
+// largest |q| lands in [2^14, 2^15) (f16's largest finite value is 65504), so every element
+// down to 2^-28 of that largest one stays exact (bf16 has 8 significant bits, f16 11) and
+// smaller ones round at f16's subnormal step. Their share of q.k is below 2^-28 of the
+// largest term: far under bf16's own rounding. k is undone in the score multiplier
+// (ThreadRow::score2). `max_bits`: the row's largest |q| as float bits; zero rows and rows
+// holding inf / NaN keep k = 0 (inf / NaN propagate as in the reference).
+__device__ __forceinline__ int q_row_shift(uint32_t max_bits) {
+  if (max_bits == 0 || max_bits >= 0x7f800000u) return 0;
+  const int e = int(max_bits >> 23) - 127;  // floor(log2 max); -127 for float subnormals
+  return min(max(14 - e, -126), 126);
+}
+__device__ __forceinline__ float pow2f(int k) {  // k in [-126, 127]
+  return __int_as_float((127 + k) << 23);
+}
+// The largest |x| of 8 bf16 values, as float bits (bf16 bits order like float's for x >= 0).
+__device__ __forceinline__ uint32_t bf16x8_abs_max_bits(const uint4& raw) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t mx = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) mx = max(mx, max(w[i] & 0x7fffu, (w[i] >> 16) & 0x7fffu));
+  return mx << 16;
+}
+// Two bf16 values times 2^k (exact in float) rounded to f16.
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w, float pow2k) {
+  return pack2<DType::kF16>(__uint_as_float(w << 16) * pow2k,
+                            __uint_as_float(w & 0xffff0000u) * pow2k);
+}
+
 // Final rows: sinks, v scale, output and LSE (also used by the combine kernel). `o8` holds 8
 // normalised, v-scaled values of row (t, h) starting at column c8 * 8.
 template <DType kAct>
@@ -415,6 +458,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
     } else {
       rows[h] = ThreadRow{0, 0, 0, 0.0f};  // padding row: every key masked
     }
+    rows[h].score2 = p.scale_log2;
+    rows[h].cap_arg = p.softcap_arg_scale;
   }
 
   // ---- Q tile: its global loads go out first (registers), the smem stores after the first
@@ -451,6 +496,11 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
       q_raw[i] = raw;
     }
   }
+  // The fp8 kernel's bf16 rows: each row's largest |q| (q_row_shift), in the Q area's padding
+  // (the fragments take head_size * 32 of its kRows * q_row_bytes bytes).
+  [[maybe_unused]] uint32_t* const q_row_max =
+      reinterpret_cast<uint32_t*>(smem + (T::kMma ? T::head_size : 0) * 32);
+  static_assert(!T::kRegFp8 || T::head_size * 32 + kRows * 4 <= kRows * (2 * T::head_size + 16));
   // Q bits -> smem. Row-major (ldmatrix reads it) except for the in-register fp8 kernel, whose
   // S = Q K^T reduces over head dims in a lane-contiguous order (see compute): there the tile
   // is stored in A-fragment order, [k step][lane][a0..a3], one 16-byte load per k step.
@@ -462,18 +512,23 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
         if (c >= kRows * q_chunks) break;
         const int row = c / q_chunks, col = c - row * q_chunks;
         if constexpr (T::kRegFp8) {
-          // Elements 8*col .. +7 belong to lane (row % 8, t) with t = 8*col / (D/4), k steps
-          // ks0 and ks0 + 1; a0/a1 take dims {d+1, d+3}, a2/a3 dims {d, d+2} of the step's d.
+          // f16 (bf16 rows scaled by 2^k, q_row_shift). Elements 8*col .. +7 belong to lane
+          // (row % 8, t) with t = 8*col / (D/4), k steps ks0 and ks0 + 1; a0/a1 take dims
+          // {d, d+1}, a2/a3 dims {d+2, d+3} of the step's d.
           constexpr int kSpan = T::head_size / 4;
           const int t = (8 * col) / kSpan, ks0 = (8 * col - t * kSpan) / 4;
           const int ln = (row & 7) * 4 + t, hi = row >> 3;
-          const uint32_t* q32 = reinterpret_cast<const uint32_t*>(&q_raw[i]);
+          uint32_t q32[4] = {q_raw[i].x, q_raw[i].y, q_raw[i].z, q_raw[i].w};
+          if constexpr (T::act == DType::kBF16) {
+            const float f = pow2f(q_row_shift(q_row_max[row]));
+#pragma unroll
+            for (int e = 0; e < 4; ++e) q32[e] = bf16x2_to_f16x2(q32[e], f);
+          }
 #pragma unroll
           for (int k = 0; k < 2; ++k) {
-            const uint32_t e01 = q32[2 * k], e23 = q32[2 * k + 1];  // dims d..d+3
             uint32_t* dst = reinterpret_cast<uint32_t*>(smem + ((ks0 + k) * 32 + ln) * 16);
-            dst[hi] = sm80::prmt(e01, e23, 0x7632);      // {d+1, d+3}
-            dst[2 + hi] = sm80::prmt(e01, e23, 0x5410);  // {d, d+2}
+            dst[hi] = q32[2 * k];          // {d, d+1}
+            dst[2 + hi] = q32[2 * k + 1];  // {d+2, d+3}
           }
         } else {
           *reinterpret_cast<uint4*>(smem + row * lay.q_row_bytes + col * 16) = q_raw[i];
@@ -609,8 +664,26 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
     ref = lookup(k + 1);
     sm80::cp_async_commit();
   }
+  if constexpr (T::kRegFp8 && T::act == DType::kBF16) {
+    if (threadIdx.x < kRows) q_row_max[threadIdx.x] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kQPerThread; ++i) {
+      const int c = int(threadIdx.x) + i * T::kThreads;
+      if (c < kRows * q_chunks) atomicMax(&q_row_max[c / q_chunks], bf16x8_abs_max_bits(q_raw[i]));
+    }
+    __syncthreads();
+  }
   store_q();
   __syncthreads();
+  if constexpr (T::kRegFp8 && T::act == DType::kBF16) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float undo = pow2f(-q_row_shift(q_row_max[g + 8 * h]));
+      rows[h].score2 *= undo;
+      rows[h].cap_arg *= undo;
+    }
+  }
 
   // Lane address parts for ldmatrix (see sm80::ldmatrix_x4): Q as the A operand (matrices
   // rows 0-7 / 8-15 x dims +0 / +8), K as B of S = Q K^T (tokens 0-7 / 8-15 x dims +0 / +8),
@@ -636,9 +709,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
       }
     }
   }
-  [[maybe_unused]] const Fp8Widen<T::act> fp8(p.kv_dtype == int(DType::kFp8E5M2));
-
-  auto compute = [&](int stage, int ts) {
+  // kE5m2 (a std::integral_constant): the fp8 kernel's cache format, fixed per launch.
+  auto compute = [&](int stage, int ts, [[maybe_unused]] auto kE5m2) {
     const unsigned char* kt = my_stages + stage * lay.stage_bytes;
     const unsigned char* vt = kt + kTileTokens * lay.kv_row_bytes;
     int row_bytes = lay.kv_row_bytes;
@@ -652,11 +724,12 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
     const bool need_mask = !(ts >= lo_max && ts + kTileTokens <= hi_min);
     float s[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
     if constexpr (T::kRegFp8) {
-      // fp8 widened in registers. S = Q K^T: lane (g, t4) takes key 8j + g of n tile j and the
-      // D/4 contiguous head dims t4 * D/4 + [0, D/4): k step ks reduces dims d = t4 * D/4 +
-      // 4 ks + {0..3}, the B pair b0 = dims {d+1, d+3} (bytes 1, 3 of the word), b1 = {d, d+2};
-      // Q's fragments (smem, store_q) use the same order. Sums over a permuted k are the same.
-      constexpr bool kBF16 = T::act == DType::kBF16;
+      // fp8 widened in registers, f16 math (fp8x2_f16). S = Q K^T: lane (g, t4) takes key
+      // 8j + g of n tile j and the D/4 contiguous head dims t4 * D/4 + [0, D/4): k step ks
+      // reduces dims d = t4 * D/4 + 4 ks + {0..3}, the B pair b0 = dims {d, d+1} (bytes 0, 1
+      // of the word), b1 = {d+2, d+3}; Q's fragments (smem, store_q) use the same order. Sums
+      // over a permuted k are the same.
+      constexpr bool kE5 = decltype(kE5m2)::value;
       constexpr int D = T::head_size, kSteps = D / 16;
       uint32_t kw[2][D / 16];
 #pragma unroll
@@ -673,12 +746,15 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
         }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          sm80::mma_16816<kBF16>(s[j], a, fp8.hi(kw[j][ks]), fp8.lo(kw[j][ks]));
+          sm80::mma_16816<false>(s[j], a, fp8x2_f16<kE5, 0>(kw[j][ks]),
+                                 fp8x2_f16<kE5, 1>(kw[j][ks]));
         }
       }
       softmax_tile<kNt>(p, s, rows, ts, need_mask, t4, m, l, o);
-      const uint32_t pa[4] = {pack2<T::act>(s[0][0], s[0][1]), pack2<T::act>(s[0][2], s[0][3]),
-                              pack2<T::act>(s[1][0], s[1][1]), pack2<T::act>(s[1][2], s[1][3])};
+      // P in f16: at least as fine as the activation dtype for P in [0, 1].
+      constexpr DType kF16 = DType::kF16;
+      const uint32_t pa[4] = {pack2<kF16>(s[0][0], s[0][1]), pack2<kF16>(s[0][2], s[0][3]),
+                              pack2<kF16>(s[1][0], s[1][1]), pack2<kF16>(s[1][2], s[1][3])};
       // O += P V: P's k are keys 2t4, 2t4+1 (b0) and 2t4+8, 2t4+9 (b1). Output column n of n
       // tile nt is head dim n * (D/8) + nt, so lane g's B bytes for every n tile are the D/8
       // contiguous bytes g * D/8 + [0, D/8) of those four keys; prmt pairs two keys' bytes.
@@ -692,15 +768,15 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
       lds_words<kVBytes>(v0 + 9 * row_bytes, va[3]);
 #pragma unroll
       for (int c = 0; c < kVBytes / 4; ++c) {
-        // [a1 a0 b1 b0]: bytes 1, 3 = column 4c of keys a, b; bytes 0, 2 = column 4c + 1.
-        const uint32_t ab01 = sm80::prmt(va[0][c], va[1][c], 0x4501);
-        const uint32_t ab23 = sm80::prmt(va[0][c], va[1][c], 0x6723);
-        const uint32_t cd01 = sm80::prmt(va[2][c], va[3][c], 0x4501);
-        const uint32_t cd23 = sm80::prmt(va[2][c], va[3][c], 0x6723);
-        sm80::mma_16816<kBF16>(o[4 * c], pa, fp8.hi(ab01), fp8.hi(cd01));
-        sm80::mma_16816<kBF16>(o[4 * c + 1], pa, fp8.lo(ab01), fp8.lo(cd01));
-        sm80::mma_16816<kBF16>(o[4 * c + 2], pa, fp8.hi(ab23), fp8.hi(cd23));
-        sm80::mma_16816<kBF16>(o[4 * c + 3], pa, fp8.lo(ab23), fp8.lo(cd23));
+        // [b1 a1 b0 a0]: the low half pairs column 4c of keys a, b; the high half column 4c + 1.
+        const uint32_t ab01 = sm80::prmt(va[0][c], va[1][c], 0x5140);
+        const uint32_t ab23 = sm80::prmt(va[0][c], va[1][c], 0x7362);
+        const uint32_t cd01 = sm80::prmt(va[2][c], va[3][c], 0x5140);
+        const uint32_t cd23 = sm80::prmt(va[2][c], va[3][c], 0x7362);
+        sm80::mma_16816<false>(o[4 * c], pa, fp8x2_f16<kE5, 0>(ab01), fp8x2_f16<kE5, 0>(cd01));
+        sm80::mma_16816<false>(o[4 * c + 1], pa, fp8x2_f16<kE5, 1>(ab01), fp8x2_f16<kE5, 1>(cd01));
+        sm80::mma_16816<false>(o[4 * c + 2], pa, fp8x2_f16<kE5, 0>(ab23), fp8x2_f16<kE5, 0>(cd23));
+        sm80::mma_16816<false>(o[4 * c + 3], pa, fp8x2_f16<kE5, 1>(ab23), fp8x2_f16<kE5, 1>(cd23));
       }
     } else if constexpr (T::kMma) {
       constexpr bool kBF16 = T::act == DType::kBF16;
@@ -784,14 +860,21 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
     }
   };
 
-  for (int k = 0; k < n_wt; ++k) {
-    sm80::cp_async_wait<T::kStages - 2>();
-    __syncwarp();  // the tile's copies by every lane are visible; the freed stage is unread
-    const int next = k + T::kStages - 1;
-    issue(next % T::kStages, next, ref);
-    ref = lookup(next + 1);
-    sm80::cp_async_commit();
-    compute(k % T::kStages, tile_start(k));
+  auto main_loop = [&](auto kE5m2) {
+    for (int k = 0; k < n_wt; ++k) {
+      sm80::cp_async_wait<T::kStages - 2>();
+      __syncwarp();  // the tile's copies by every lane are visible; the freed stage is unread
+      const int next = k + T::kStages - 1;
+      issue(next % T::kStages, next, ref);
+      ref = lookup(next + 1);
+      sm80::cp_async_commit();
+      compute(k % T::kStages, tile_start(k), kE5m2);
+    }
+  };
+  if (T::kRegFp8 && p.kv_dtype == int(DType::kFp8E5M2)) {
+    main_loop(std::true_type{});
+  } else {
+    main_loop(std::false_type{});
   }
   sm80::cp_async_wait<0>();
 
