@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One command that checks and times the cuda backend on the H200 machine, writing files under
-# $OUT (summary.txt, backend_ops.log, backend_ops_prefill_all.log, cuda_tests.log,
-# sanitizer.log, bench.log, results.json, decode.png, prefill.log, prefill.json, prefill.png)
-# and printing a short table last.
+# $OUT (summary.txt, results.json, decode.png, prefill.json, prefill.png, and logs.tar.gz with
+# every log: backend_ops*.log, cuda_tests.log, sanitizer.log, bench.log, prefill.log) and
+# printing a short table last.
 #
 # The binaries are built HERE (the H200 image lacks CLI11 / nlohmann-json / libdlpack) with
 #     cmake --preset cuda-h200 && cmake --build --preset cuda-h200
@@ -65,6 +65,16 @@ if [ "${SKIP_BACKEND_OPS:-0}" != 1 ]; then
   grep -E "^backend |FAIL" "$OUT/backend_ops_portable.log" | head -20 | tee -a "$summary"
   say "backend_ops (portable prefill) rc=$rc"
   [ $rc -eq 0 ] || status=1
+  # The decode kernel's two copy paths, each forced for every shape (auto mixes them).
+  for copy in bulk cp.async; do
+    say "== backend_ops, PAGEDATTN_CUDA_DECODE_COPY=$copy  ($(elapsed))"
+    PAGEDATTN_CUDA_DECODE_COPY=$copy timeout 240 "$backend_ops" test --device cuda --backend cuda \
+      >"$SCRATCH/backend_ops_$copy.log" 2>&1
+    rc=$?
+    grep -E "^backend |FAIL" "$SCRATCH/backend_ops_$copy.log" | head -20 | tee -a "$summary"
+    say "backend_ops (decode copy $copy) rc=$rc"
+    [ $rc -eq 0 ] || status=1
+  done
 fi
 
 # ---- 2. the GoogleTest binary (splits, graphs, checked mode, merge, amax) --------------------
@@ -88,10 +98,12 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
     timeout "$2" "$san" --tool "$1" --error-exitcode 99 "$backend_ops" test --device cuda \
       --backend cuda --filter "$3" >>"$OUT/sanitizer.log" 2>&1
     local rc=$?
-    say "sanitizer $1 '$3': rc=$rc $(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer.log") clean summaries so far"
+    say "sanitizer $1 '$3' (decode copy ${PAGEDATTN_CUDA_DECODE_COPY:-auto}): rc=$rc $(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer.log") clean summaries so far"
     [ $rc -eq 0 ] || status=1
   }
   run_san memcheck 150 "dtypes"
+  PAGEDATTN_CUDA_DECODE_COPY=bulk run_san memcheck 150 "dtypes"
+  PAGEDATTN_CUDA_DECODE_COPY=cp.async run_san memcheck 150 "layout"
   run_san memcheck 60 "layout"
   run_san memcheck 60 "everything"
   run_san racecheck 120 "layout"
@@ -159,6 +171,8 @@ if [ "${SKIP_PREFILL_BENCH:-0}" != 1 ]; then
 fi
 
 say "== done in $(elapsed), status $status"
+# The device tool brings back a few files per call: the logs travel as one archive.
+(cd "$OUT" && tar -czf logs.tar.gz --remove-files ./*.log 2>/dev/null)
 [ -s "$SCRATCH/table.txt" ] && cat "$SCRATCH/table.txt"
 [ -s "$SCRATCH/prefill_table.txt" ] && cat "$SCRATCH/prefill_table.txt"
 rm -rf "$SCRATCH"

@@ -54,6 +54,14 @@ BackendOptions backend_options_from_env() {
             "') must be auto or portable");
     o.portable_prefill = v == "portable";
   }
+  if (const char* s = std::getenv(kDecodeCopyEnvVar); s && *s) {
+    const std::string v(s);
+    require(v == "auto" || v == "bulk" || v == "cp.async", kDecodeCopyEnvVar, " ('", v,
+            "') must be auto, bulk or cp.async");
+    o.decode_copy = v == "bulk"       ? DecodeCopy::kBulk
+                    : v == "cp.async" ? DecodeCopy::kCpAsync
+                                      : DecodeCopy::kAuto;
+  }
   return o;
 }
 

@@ -18,6 +18,17 @@ inline constexpr const char* kPrefillEnvVar = "PAGEDATTN_CUDA_PREFILL";
 /// Environment variable that picks the prefill kernel: auto (default: the Hopper kernel on
 /// sm_90 where compiled) or portable (the mma.sync kernel everywhere; tests, comparisons).
 inline constexpr const char* kPrefillKernelEnvVar = "PAGEDATTN_CUDA_PREFILL_KERNEL";
+/// Environment variable that picks how the decode kernel copies K/V rows into shared memory:
+/// auto (default: bulk for rows of >= kBulkMinRowBytes on sm_90, else cp.async), bulk (sm_90:
+/// one cp.async.bulk per row, completion on an mbarrier) or cp.async (16-byte copies by every
+/// lane); tests and comparisons run all.
+inline constexpr const char* kDecodeCopyEnvVar = "PAGEDATTN_CUDA_DECODE_COPY";
+/// Shortest K/V row (head_size x cache element bytes) the auto choice copies in bulk. Measured
+/// [H200, docs/kernel_notes.md v6]: 256-byte rows (bf16 d128) read 2-3% faster in bulk at
+/// batch >= 64, 128-byte rows (fp8 d128, bf16 d64) 15-25% slower.
+inline constexpr int kBulkMinRowBytes = 256;
+
+enum class DecodeCopy { kAuto, kBulk, kCpAsync };
 
 /// Which kernel takes which request's rows.
 enum class PrefillRoute {
@@ -35,7 +46,8 @@ struct BackendOptions {
   /// > 0: every plan uses this many KV splits instead of the heuristic's choice.
   int num_splits = 0;
   PrefillRoute prefill = PrefillRoute::kAuto;
-  bool portable_prefill = false;  ///< the mma.sync prefill kernel even on Hopper
+  bool portable_prefill = false;               ///< the mma.sync prefill kernel even on Hopper
+  DecodeCopy decode_copy = DecodeCopy::kAuto;  ///< how decode brings K/V rows into smem
 };
 
 /// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS, PAGEDATTN_CUDA_PREFILL and

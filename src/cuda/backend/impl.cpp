@@ -52,10 +52,22 @@ void require_on(const TensorView& v, Device device, std::string_view name) {
           to_string(device), " and reads it there");
 }
 
+// Bulk copies need sm_90; auto takes them for rows long enough to gain (kBulkMinRowBytes).
+bool use_bulk_copy(const AttentionConfig& config, DecodeCopy copy, int cc_major) {
+  if (cc_major < 9 || copy == DecodeCopy::kCpAsync) return false;
+  const DType rows = uses_kv_cache(config.attn_type) ? config.cache_dtype() : config.dtype;
+  return copy == DecodeCopy::kBulk ||
+         int64_t(config.head_size) * int64_t(dtype_size(rows)) >= kBulkMinRowBytes;
+}
+
 }  // namespace
 
 CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOptions& options)
-    : config_(config), device_(device), checked_(options.checked), route_(options.prefill) {
+    : config_(config),
+      device_(device),
+      checked_(options.checked),
+      route_(options.prefill),
+      bulk_copy_(use_bulk_copy(config, options.decode_copy, device_props(device.index).cc_major)) {
   require<NotSupported>(device.is_cuda(), "cuda backend: device ", to_string(device),
                         " is not a CUDA device");
   const bool cached = uses_kv_cache(config.attn_type);
@@ -256,6 +268,7 @@ void CudaImpl::forward(const ForwardArgs& a) {
   // them under PAGEDATTN_CUDA_PREFILL=all), the rest to the decode kernel; each kernel skips
   // the other's requests on the device, so the grids need only the longest query. The prefill
   // kernel goes first and the decode kernel behind it without overlap (launch_with_pdl).
+  p.bulk_copy = bulk_copy_ ? 1 : 0;
   const int64_t max_rows = int64_t(md.max_query_len) * p.group;
   const bool all = route_ == PrefillRoute::kAll;
   if (prefill_ != nullptr && (all || max_rows > prefill::kDecodeMaxRows)) {

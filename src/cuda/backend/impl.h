@@ -30,6 +30,7 @@ class CudaImpl final : public AttentionImpl {
   Device device_;
   bool checked_;
   PrefillRoute route_;
+  bool bulk_copy_;
   DType cache_dtype_;  // what the kernels read K/V as (the activation dtype for encoder types)
   const decode::DecodeKernel* decode_ = nullptr;
   const decode::CombineKernel* combine_ = nullptr;

@@ -48,6 +48,7 @@ struct SmemLayout {
   int p_offset = 0;        ///< generic only: [warps][kRows][kTileTokens + 1] float P tile
   int merge_offset = 0;    ///< after the main loop, over the stages: per-warp O, m, l
   int merge_o_row = 0;     ///< floats per O row in the merge area (head_size + 4)
+  int bar_offset = 0;      ///< [warps][stages] mbarriers of the bulk-copy path, past the rest
   int total = 0;
 };
 
@@ -70,7 +71,8 @@ constexpr SmemLayout smem_layout(int head_size, int kv_elem_bytes, bool mma, boo
   s.merge_offset = q_bytes;
   s.merge_o_row = head_size + 4;
   const int merge_end = s.merge_offset + warps * kRows * (s.merge_o_row + 2) * 4;
-  s.total = main_end > merge_end ? main_end : merge_end;
+  s.bar_offset = ((main_end > merge_end ? main_end : merge_end) + 7) / 8 * 8;
+  s.total = s.bar_offset + warps * stages * 8;
   return s;
 }
 

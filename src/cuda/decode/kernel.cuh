@@ -42,6 +42,7 @@
 #include <type_traits>
 
 #include "cuda/arch/sm80/ptx.cuh"
+#include "cuda/arch/sm90/bulk_copy.cuh"
 #include "cuda/common/check.h"
 #include "cuda/common/dtypes.cuh"
 #include "cuda/decode/config.h"
@@ -651,6 +652,27 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
     }
   };
 
+  // Bulk-copy path (p.bulk_copy, sm_90): lane l copies row l % 16 of the tile's K (lanes
+  // 0-15) or V (16-31), the row its own lookup found, with one cp.async.bulk completing on the
+  // warp's mbarrier of the stage. Rows past the split copy the tile's first row instead
+  // (lane 0 / 16 hold it; it is visible whenever the tile is issued): finite values that the
+  // mask gives weight 0, as the zero fill does on the cp.async path.
+  uint64_t* const my_bars = reinterpret_cast<uint64_t*>(smem + lay.bar_offset) + warp * T::kStages;
+  const uint32_t row_bytes_g = uint32_t(head_size * kv_bytes);
+  auto issue_bulk = [&](int stage, int k, const RowRef& ref) {
+    if (k >= n_wt) return;  // warp-uniform
+    const bool is_v = lane >= 16;
+    const char* src =
+        is_v ? v_head + (ref.valid ? int64_t(ref.block) * v_sb + int64_t(ref.offset) * v_sp : 0)
+             : k_head + (ref.valid ? int64_t(ref.block) * k_sb + int64_t(ref.offset) * k_sp : 0);
+    const long long first = __shfl_sync(0xffffffffu, reinterpret_cast<long long>(src), lane & 16);
+    if (!ref.valid) src = reinterpret_cast<const char*>(first);
+    unsigned char* const dst = my_stages + stage * lay.stage_bytes +
+                               ((is_v ? kTileTokens : 0) + (lane & 15)) * lay.kv_row_bytes;
+    if (lane == 0) sm90::bulk_arrive_expect(&my_bars[stage], 2 * kTileTokens * row_bytes_g);
+    sm90::bulk_copy(dst, src, row_bytes_g, &my_bars[stage]);
+  };
+
   float o[kNt][4];
 #pragma unroll
   for (int nt = 0; nt < kNt; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
@@ -658,11 +680,24 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
 
   // ---- pipeline prologue (kStages - 1 tiles in flight), then Q ----
   RowRef ref = lookup(0);
+  if (p.bulk_copy) {
+    if (lane == 0) {
 #pragma unroll
-  for (int k = 0; k < T::kStages - 1; ++k) {
-    issue(k, k, ref);
-    ref = lookup(k + 1);
-    sm80::cp_async_commit();
+      for (int s = 0; s < T::kStages; ++s) sm90::bulk_barrier_init(&my_bars[s], 1);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < T::kStages - 1; ++k) {
+      issue_bulk(k, k, ref);
+      ref = lookup(k + 1);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < T::kStages - 1; ++k) {
+      issue(k, k, ref);
+      ref = lookup(k + 1);
+      sm80::cp_async_commit();
+    }
   }
   if constexpr (T::kRegFp8 && T::act == DType::kBF16) {
     if (threadIdx.x < kRows) q_row_max[threadIdx.x] = 0;
@@ -860,23 +895,36 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
     }
   };
 
-  auto main_loop = [&](auto kE5m2) {
+  auto main_loop = [&](auto kE5m2, auto kBulk) {
     for (int k = 0; k < n_wt; ++k) {
-      sm80::cp_async_wait<T::kStages - 2>();
-      __syncwarp();  // the tile's copies by every lane are visible; the freed stage is unread
       const int next = k + T::kStages - 1;
-      issue(next % T::kStages, next, ref);
+      if constexpr (decltype(kBulk)::value) {
+        sm90::bulk_wait(&my_bars[k % T::kStages], uint32_t(k / T::kStages) & 1u);
+        __syncwarp();  // every lane is done reading the stage refilled below (tile k - 1's)
+        issue_bulk(next % T::kStages, next, ref);
+      } else {
+        sm80::cp_async_wait<T::kStages - 2>();
+        __syncwarp();  // the tile's copies by every lane are visible; the freed stage is unread
+        issue(next % T::kStages, next, ref);
+        sm80::cp_async_commit();
+      }
       ref = lookup(next + 1);
-      sm80::cp_async_commit();
       compute(k % T::kStages, tile_start(k), kE5m2);
     }
   };
-  if (T::kRegFp8 && p.kv_dtype == int(DType::kFp8E5M2)) {
-    main_loop(std::true_type{});
+  auto by_format = [&](auto kBulk) {
+    if (T::kRegFp8 && p.kv_dtype == int(DType::kFp8E5M2)) {
+      main_loop(std::true_type{}, kBulk);
+    } else {
+      main_loop(std::false_type{}, kBulk);
+    }
+  };
+  if (p.bulk_copy) {
+    by_format(std::true_type{});
   } else {
-    main_loop(std::false_type{});
+    by_format(std::false_type{});
   }
-  sm80::cp_async_wait<0>();
+  sm80::cp_async_wait<0>();  // (the bulk path waited for every tile it issued)
 
   // ---- merge the warps' partial states through smem (over the stages) ----
 #pragma unroll

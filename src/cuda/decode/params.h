@@ -59,6 +59,9 @@ struct DecodeParams {
   int route_rows;
   int vec_q;    ///< q rows and base allow 16-byte loads
   int vec_out;  ///< out rows and base allow 16-byte stores
+  /// K/V rows come in by cp.async.bulk (one per row, an mbarrier per warp and stage; sm_90)
+  /// rather than 16-byte cp.async by every lane.
+  int bulk_copy;
 };
 
 }  // namespace pagedattn::cuda::decode
