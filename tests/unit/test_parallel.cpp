@@ -37,6 +37,24 @@ TEST(TensorParallel, SplitsQueryHeadsAndSplitsOrReplicatesKvHeads) {
                "num_kv_heads (6) must divide or be divisible");
   EXPECT_ERROR(TensorParallelShard::of(32, 8, 4, 4), InvalidArgument,
                "tensor-parallel rank (4) must be in [0, 4)");
+
+  // The backend-level configuration of a rank: its heads and its slices of slopes and sinks.
+  AttentionConfig c;
+  c.num_heads = 8;
+  c.num_kv_heads = 2;
+  c.head_size = 16;
+  c.scale = 0.25f;
+  c.alibi_slopes = alibi_slopes(8);
+  c.sinks = {0, 1, 2, 3, 4, 5, 6, 7};
+  const auto s2 = TensorParallelShard::of(8, 2, 2, 4);
+  const AttentionConfig r = shard_config(c, s2);
+  EXPECT_EQ(r.num_heads, 2);
+  EXPECT_EQ(r.num_kv_heads, 1);
+  EXPECT_EQ(r.sinks, (std::vector<float>{4, 5}));
+  EXPECT_EQ(r.alibi_slopes, (std::vector<float>{c.alibi_slopes[4], c.alibi_slopes[5]}));
+  c.num_kv_heads = 8;
+  EXPECT_ERROR(shard_config(c, s2), InvalidArgument,
+               "shard was made for another head configuration (num_heads 8, num_kv_heads 8)");
 }
 
 TEST(TensorParallel, RanksGatheredEqualOneRank) {
