@@ -100,8 +100,10 @@ struct DcpStep {
 /// the step's K/V with it puts each new token in its owner's cache at its local slot (so later
 /// steps see it); each rank's forward with an LSE output, dcp_clear_empty_rows, then
 /// merge_states of the ranks' (output, LSE) in rank order give the single-rank result of the
-/// step (causal; see dcp_config for what the layer may use). Rows cost one decode row each:
-/// a chunk of q tokens is read as q rows over the rank's share. Throws InvalidArgument naming
+/// step (causal; see dcp_config for what the layer may use). Merge in float32: partials
+/// rounded to bfloat16 and merged in bfloat16 exceed the accuracy rule (docs/parallel.md).
+/// Rows cost one decode row each: a chunk of q tokens is read as q rows over the rank's
+/// share. Throws InvalidArgument naming
 /// the request when block_size < 1, a length is negative, or local_block_ids has fewer than
 /// ceil(local_len(context_len + num_new_tokens) / block_size) blocks.
 DcpStep dcp_step_metadata(const std::vector<DcpRequest>& requests, int block_size,
