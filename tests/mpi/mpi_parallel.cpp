@@ -304,70 +304,79 @@ struct Tally {
   std::map<std::string, std::vector<std::string>> refused;  // reason -> cases
 };
 
-int matrix_checks(const Backend& backend, const std::vector<bo::OpCase>& cases) {
-  Tally tp, dcp;
+// Every case once (its references computed once), then TP and DCP on each backend.
+int matrix_checks(const std::vector<const Backend*>& backends,
+                  const std::vector<bo::OpCase>& cases) {
+  std::vector<std::pair<std::string, Tally>> tallies;  // "TP  cpu", "DCP cpu", ... in order
+  for (const Backend* backend : backends) {
+    for (const char* mode : {"TP ", "DCP"}) {
+      tallies.push_back({std::string(mode) + " " + std::string(backend->name()), {}});
+    }
+  }
   int failures = 0;
   for (const bo::OpCase& k : cases) {
     Reference ref = make_reference(k);
-    for (const bool is_tp : {true, false}) {
-      Tally& tally = is_tp ? tp : dcp;
-      const char* mode = is_tp ? "TP " : "DCP";
-      Share s;
-      TensorParallelShard shard;
-      try {
-        s = is_tp ? tp_share(backend, k, ref, shard) : dcp_share(backend, k, ref);
-      } catch (const std::exception& e) {
-        s = {Share::kError, e.what(), {}, {}};
-      }
-      // Every rank takes the same branch, so that the collectives below stay matched.
-      const int status = all_max(int(s.status));
-      if (status == Share::kRefused) {
-        if (rank_ == 0)
-          tally.refused[s.status == Share::kRefused ? s.message : "(another rank)"].push_back(
-              k.name);
-        continue;
-      }
-      std::string why;
-      if (status == Share::kError) {
-        why = s.status == Share::kError ? "threw: " + s.message : "another rank threw";
-      } else {
-        Tensor out, lse;
-        if (is_tp) {
-          tp_gather(k, s, shard.num_heads, out, lse);
-        } else {
-          dcp_merge(backend, s, k.config.dtype, out, lse);
-          // Every new token is written on exactly one rank (its owner).
-          int64_t written = 0;
-          MPI_Allreduce(&s.owned_tokens, &written, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
-          if (written != ref.num_actual_tokens) {
-            why += detail::cat(written, " new tokens written over the ranks; the step has ",
-                               ref.num_actual_tokens, "; ");
-          }
+    size_t next_tally = 0;
+    for (const Backend* backend : backends) {
+      for (const bool is_tp : {true, false}) {
+        auto& [label, tally] = tallies[next_tally++];
+        Share s;
+        TensorParallelShard shard;
+        try {
+          s = is_tp ? tp_share(*backend, k, ref, shard) : dcp_share(*backend, k, ref);
+        } catch (const std::exception& e) {
+          s = {Share::kError, e.what(), {}, {}};
         }
-        why += check_rule(ref, k.config.dtype, out, lse) + s.cache_mismatch;
-      }
-      const bool ok = all_max(why.empty() ? 0 : 1) == 0;
-      (ok ? tally.passed : tally.failed) += 1;
-      failures += !ok && rank_ == 0 ? 1 : 0;  // one count per case
-      // Rank 0 reports what every rank sees (the gathered result); a rank reports its own
-      // cache or error.
-      const bool own = s.status == Share::kError || !s.cache_mismatch.empty();
-      if (!why.empty() && (rank_ == 0 || own)) {
-        std::printf("[rank %d/%d] FAIL %s %s %s: %s\n", rank_, world_, mode,
-                    std::string(backend.name()).c_str(), k.name.c_str(), why.c_str());
-      } else if (ok && verbose_ && rank_ == 0) {
-        std::printf("  ok   %s %s %s\n", mode, std::string(backend.name()).c_str(), k.name.c_str());
+        // Every rank takes the same branch, so that the collectives below stay matched.
+        const int status = all_max(int(s.status));
+        if (status == Share::kRefused) {
+          if (rank_ == 0) {
+            tally.refused[s.status == Share::kRefused ? s.message : "(another rank)"].push_back(
+                k.name);
+          }
+          continue;
+        }
+        std::string why;
+        if (status == Share::kError) {
+          why = s.status == Share::kError ? "threw: " + s.message : "another rank threw";
+        } else {
+          Tensor out, lse;
+          if (is_tp) {
+            tp_gather(k, s, shard.num_heads, out, lse);
+          } else {
+            dcp_merge(*backend, s, k.config.dtype, out, lse);
+            // Every new token is written on exactly one rank (its owner).
+            int64_t written = 0;
+            MPI_Allreduce(&s.owned_tokens, &written, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+            if (written != ref.num_actual_tokens) {
+              why += detail::cat(written, " new tokens written over the ranks; the step has ",
+                                 ref.num_actual_tokens, "; ");
+            }
+          }
+          why += check_rule(ref, k.config.dtype, out, lse) + s.cache_mismatch;
+        }
+        const bool ok = all_max(why.empty() ? 0 : 1) == 0;
+        (ok ? tally.passed : tally.failed) += 1;
+        failures += !ok && rank_ == 0 ? 1 : 0;  // one count per case
+        // Rank 0 reports what every rank sees (the gathered result); a rank reports its own
+        // cache or error.
+        const bool own = s.status == Share::kError || !s.cache_mismatch.empty();
+        if (!why.empty() && (rank_ == 0 || own)) {
+          std::printf("[rank %d/%d] FAIL %s %s: %s\n", rank_, world_, label.c_str(), k.name.c_str(),
+                      why.c_str());
+        } else if (ok && verbose_ && rank_ == 0) {
+          std::printf("  ok   %s %s\n", label.c_str(), k.name.c_str());
+        }
       }
     }
   }
   if (rank_ == 0) {
-    for (const auto& [mode, t] : {std::pair{"TP ", &tp}, std::pair{"DCP", &dcp}}) {
+    for (const auto& [label, t] : tallies) {
       int refused = 0;
-      for (const auto& [reason, names] : t->refused) refused += int(names.size());
-      std::printf("%s %s over %zu backend_ops cases, %d ranks: %d passed, %d failed, %d refused\n",
-                  mode, std::string(backend.name()).c_str(), cases.size(), world_, t->passed,
-                  t->failed, refused);
-      for (const auto& [reason, names] : t->refused) {
+      for (const auto& [reason, names] : t.refused) refused += int(names.size());
+      std::printf("%s over %zu backend_ops cases, %d ranks: %d passed, %d failed, %d refused\n",
+                  label.c_str(), cases.size(), world_, t.passed, t.failed, refused);
+      for (const auto& [reason, names] : t.refused) {
         std::printf("  refused %zu (%s):", names.size(), reason.c_str());
         for (const auto& n : names) std::printf("\n    %s", n.c_str());
         std::printf("\n");
@@ -438,12 +447,13 @@ int main(int argc, char** argv) {
   }
   int failures = 0;
   const std::vector<bo::OpCase> cases = bo::make_case_matrix(20261202);
+  std::vector<const Backend*> backends;
   for (const Backend* backend : default_registry().backends()) {
     // The CPU backends: those that run the matrix's first (plain) case on the CPU.
-    if (!backend->check({cases.front().config, Device::cpu()}).empty()) continue;
-    failures += layer_chunk_checks(*backend);
-    failures += matrix_checks(*backend, cases);
+    if (backend->check({cases.front().config, Device::cpu()}).empty()) backends.push_back(backend);
   }
+  for (const Backend* backend : backends) failures += layer_chunk_checks(*backend);
+  failures += matrix_checks(backends, cases);
   int total = 0;
   MPI_Allreduce(&failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   if (rank_ == 0) std::printf("mpi_parallel: %d ranks, %d failures\n", world_, total);
