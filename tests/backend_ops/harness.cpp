@@ -34,17 +34,9 @@ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
-// Everything one case needs, on the host.
-struct CaseData {
-  StepMetadata step;
-  Tensor query, key, value;            // query [T, Hq, D]; key/value [T or encoder tokens, Hkv, D]
-  Tensor context_key, context_value;   // [num_context_slots, Hkv, D]
-  std::vector<int64_t> context_slots;  // where the earlier steps' K/V live
-  int64_t num_blocks = 0;
-  int64_t num_query_rows = 0;
-};
+}  // namespace
 
-CaseData make_data(const OpCase& k) {
+CaseData make_case_data(const OpCase& k) {
   const AttentionConfig& c = k.config;
   const int bs = c.block_size, hq = c.num_heads, hk = c.num_kv_heads, d = c.head_size;
   std::mt19937 rng(k.seed);
@@ -116,18 +108,20 @@ CaseData make_data(const OpCase& k) {
   return data;
 }
 
+namespace {
+
 TensorView slots_view(std::vector<int64_t>& slots) {
   return TensorView::contiguous(slots.data(), DType::kI64, {int64_t(slots.size())});
 }
 
-struct RunOutputs {
-  Tensor output, lse;  // host
-  Tensor cache;        // host copy of the combined cache after the write (cached types)
-  double seconds = 0;
-};
+}  // namespace
 
-// Runs the case on `backend` on `device`: copies the pre-step cache in, writes the new K/V
-// with the backend's own write_kv, runs the forward into a poisoned output.
+KVCacheView cache_view_of(const Tensor& storage, KVCacheLayout layout) {
+  TensorView combined = storage.view();
+  if (layout == KVCacheLayout::kHND) combined = combined.permute({0, 1, 3, 2, 4});
+  return KVCacheView::from_combined(combined);
+}
+
 RunOutputs run_on(const Backend& backend, const OpCase& k, CaseData& data, const Tensor& cache0,
                   DType out_dtype, DType lse_dtype, Device device, int repeats) {
   const AttentionConfig& c = k.config;
@@ -149,9 +143,7 @@ RunOutputs run_on(const Backend& backend, const OpCase& k, CaseData& data, const
     // Same bytes, same physical layout as the reference's pre-step cache.
     cache = Tensor::empty(cache0.view().shape_vector(), cache0.view().dtype, device);
     copy_tensor(cache.view(), cache0.view());
-    TensorView combined = cache.view();
-    if (c.kv_cache_layout == KVCacheLayout::kHND) combined = combined.permute({0, 1, 3, 2, 4});
-    cache_view = KVCacheView::from_combined(combined);
+    cache_view = cache_view_of(cache, c.kv_cache_layout);
     if (md.num_slots() > 0) {
       WriteKVArgs w{key.view(), value.view(), md.slot_mapping, cache_view, scales, {}};
       check_write_kv_args(c, w);
@@ -196,7 +188,6 @@ RunOutputs run_on(const Backend& backend, const OpCase& k, CaseData& data, const
   return out;
 }
 
-// The pre-step cache: context tokens written by the reference (the oracle's own writer).
 Tensor make_initial_cache(const OpCase& k, CaseData& data) {
   const AttentionConfig& c = k.config;
   if (!uses_kv_cache(c.attn_type)) return {};
@@ -211,6 +202,8 @@ Tensor make_initial_cache(const OpCase& k, CaseData& data) {
   }
   return cache.storage();
 }
+
+namespace {
 
 // First row < num_actual_tokens with a value still poisoned (NaN), or -1.
 int64_t first_unwritten_row(const TensorView& out, int64_t num_actual_tokens) {
@@ -233,7 +226,7 @@ CaseResult run_case(const Backend& backend, const OpCase& k, const RunOptions& o
     for (const auto& r : reasons) res.message += (res.message.empty() ? "" : "; ") + r;
     return res;
   }
-  CaseData data = make_data(k);
+  CaseData data = make_case_data(k);
   const Tensor cache0 = make_initial_cache(k, data);
   const auto ref64 = ref::make_backend(ref::Precision::kFloat64);
   const auto lowp = ref::make_backend(ref::Precision::kLowPrecision);

@@ -6,6 +6,8 @@
 #include "cases.h"
 #include "pagedattn/accuracy.h"
 #include "pagedattn/backend.h"
+#include "pagedattn/kv_cache.h"
+#include "pagedattn/metadata.h"
 
 namespace pagedattn::backend_ops {
 
@@ -24,6 +26,40 @@ struct RunOptions {
   Device device{};
   int perf_repeats = 0;  ///< > 0: time the forward this many times (median)
 };
+
+/// Everything one case needs, on the host.
+struct CaseData {
+  StepMetadata step;
+  Tensor query, key, value;            // query [T, Hq, D]; key/value [T or encoder tokens, Hkv, D]
+  Tensor context_key, context_value;   // [num_context_slots, Hkv, D]
+  std::vector<int64_t> context_slots;  // where the earlier steps' K/V live
+  int64_t num_blocks = 0;
+  int64_t num_query_rows = 0;
+};
+
+/// The case's inputs, drawn from its seed: metadata over a shuffled block pool, Q/K/V rows and
+/// the context K/V of earlier steps.
+CaseData make_case_data(const OpCase& k);
+
+/// The pre-step cache (its storage, in the case's physical layout): the context tokens written
+/// by the reference (the oracle's own writer). Undefined for types without a cache.
+Tensor make_initial_cache(const OpCase& k, CaseData& data);
+
+/// The logical cache view of a storage tensor in `layout` (HND storage seen through permuted
+/// strides).
+KVCacheView cache_view_of(const Tensor& storage, KVCacheLayout layout);
+
+struct RunOutputs {
+  Tensor output, lse;  // host
+  Tensor cache;        // host copy of the combined cache after the write (cached types)
+  double seconds = 0;
+};
+
+/// Runs the case on `backend` on `device`: copies the pre-step cache `cache0` in, writes the
+/// step's K/V with the backend's own write_kv, runs the forward into a poisoned output
+/// ([T, H, D] of `out_dtype`) and LSE ([H, T] of `lse_dtype`); `repeats` > 0 also times it.
+RunOutputs run_on(const Backend& backend, const OpCase& k, CaseData& data, const Tensor& cache0,
+                  DType out_dtype, DType lse_dtype, Device device, int repeats);
 
 /// Generates the case's inputs, runs the backend (write_kv then forward, outputs poisoned
 /// first) and checks: the cache bytes it wrote equal the reference's, every output row of a

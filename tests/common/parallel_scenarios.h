@@ -2,6 +2,7 @@
 // tests and the MPI test (one scenario, computed whole or by one rank).
 #pragma once
 
+#include <cmath>
 #include <random>
 #include <string>
 #include <vector>
@@ -164,12 +165,126 @@ inline void run_dcp(const DcpScenario& s, const Backend& backend, const DecodeCo
   impl->forward(f);
 }
 
-// Merges the ranks' results in rank order (merge_states, spec 4.12).
+// ---- DCP over several steps of prefill chunks and decodes, through the Attention layer ----
+
+// Five requests over four steps: fresh prefills (1..70 tokens, so some ranks hold none of a
+// request's first tokens), chunks over contexts not divisible by the world size, decodes of
+// sequences shorter than the world size, a 3-token speculative verification, and requests in a
+// different order in each step. Each step's new K/V are written by that step and read by the
+// later ones.
+struct DcpChunkScenario {
+  struct Row {
+    int request = 0, num_new_tokens = 0;
+  };
+  AttentionOptions options;
+  std::vector<std::vector<Row>> steps;
+  int num_requests = 5;
+  std::vector<Tensor> q, k, v;  // per step: q [T, H, D], k/v [T, Hkv, D]
+};
+
+inline DcpChunkScenario make_dcp_chunk_scenario(bool sinks, uint32_t seed) {
+  std::mt19937 rng(seed);
+  DcpChunkScenario s;
+  const int hq = 8, hk = 2, d = 32;
+  s.options.num_heads = hq;
+  s.options.num_kv_heads = hk;
+  s.options.head_size = d;
+  s.options.scale = 0.18f;
+  s.options.dtype = DType::kF32;
+  s.options.logits_soft_cap = 25.0f;
+  s.options.cache_config = CacheConfig{};
+  s.options.cache_config->block_size = 8;
+  s.options.prefix = "model.layers.0.attn";
+  for (int h = 0; sinks && h < hq; ++h) s.options.sinks.push_back(0.4f * float(h) - 1.5f);
+  s.steps = {{{0, 13}, {1, 1}, {2, 37}, {3, 2}},
+             {{0, 7}, {1, 1}, {2, 1}, {3, 1}, {4, 70}},
+             {{1, 40}, {0, 1}, {3, 3}, {4, 1}, {2, 29}},
+             {{2, 1}, {4, 16}, {0, 1}, {1, 1}, {3, 1}}};
+  for (const auto& step : s.steps) {
+    int64_t t = 0;
+    for (const auto& row : step) t += row.num_new_tokens;
+    s.q.push_back(random_f32({t, hq, d}, rng));
+    s.k.push_back(random_f32({t, hk, d}, rng));
+    s.v.push_back(random_f32({t, hk, d}, rng));
+  }
+  return s;
+}
+
+// Runs every step through one Attention layer on `backend`: the whole cache (dcp == nullptr) or
+// one rank's share of it (dcp_options, dcp_step_metadata, dcp_clear_empty_rows). Outputs
+// [T, H, D] and LSEs [H, T] per step, each poisoned with NaN before its forward.
+inline void run_dcp_chunks(const DcpChunkScenario& s, const std::string& backend,
+                           const DecodeContextParallel* dcp, std::vector<Tensor>& outs,
+                           std::vector<Tensor>& lses) {
+  AttentionOptions o = dcp ? dcp_options(s.options, *dcp) : s.options;
+  o.attn_backend = backend;
+  ForwardContext ctx;
+  Attention layer(ctx, o);
+  const int bs = layer.config().block_size;
+  // Each request's blocks for its final length, from a pool in reverse order (block 0 unused).
+  std::vector<int> total(size_t(s.num_requests), 0);
+  for (const auto& step : s.steps) {
+    for (const auto& row : step) total[size_t(row.request)] += row.num_new_tokens;
+  }
+  std::vector<std::vector<int32_t>> blocks(size_t(s.num_requests));
+  int64_t num_blocks = 1;
+  for (int r = 0; r < s.num_requests; ++r) {
+    const int64_t len = dcp ? dcp->local_len(total[size_t(r)]) : total[size_t(r)];
+    num_blocks += (len + bs - 1) / bs;
+  }
+  int32_t next = int32_t(num_blocks - 1);
+  for (int r = 0; r < s.num_requests; ++r) {
+    const int64_t len = dcp ? dcp->local_len(total[size_t(r)]) : total[size_t(r)];
+    for (int64_t b = 0; b < (len + bs - 1) / bs; ++b) blocks[size_t(r)].push_back(next--);
+  }
+  KVCache cache = KVCache::allocate(layer.config(), num_blocks);
+  // Finite garbage everywhere (large keys, so that it dominates any softmax that sees it): a
+  // read of a slot no step wrote (block 0 included, which the empty rows of a rank read) shows
+  // up in the result unless it is masked or cleared.
+  fill_host(cache.tensor(), 9.0);
+  layer.bind_kv_cache({cache.view()});
+  std::vector<int> context(size_t(s.num_requests), 0);
+  const int hq = s.options.num_heads, d = s.options.head_size;
+  for (size_t i = 0; i < s.steps.size(); ++i) {
+    StepMetadata md;
+    DcpStep step;
+    if (dcp) {
+      std::vector<DcpRequest> reqs;
+      for (const auto& row : s.steps[i]) {
+        reqs.push_back(
+            {context[size_t(row.request)], row.num_new_tokens, blocks[size_t(row.request)]});
+      }
+      step = dcp_step_metadata(reqs, bs, *dcp);
+    } else {
+      MetadataBuilder b(bs);
+      for (const auto& row : s.steps[i]) {
+        b.add({context[size_t(row.request)], row.num_new_tokens, blocks[size_t(row.request)]});
+      }
+      md = b.build();
+    }
+    for (const auto& row : s.steps[i]) context[size_t(row.request)] += row.num_new_tokens;
+    const AttentionMetadata view = dcp ? step.metadata.view() : md.view();
+    const int64_t t = s.q[i].view().size(0);
+    Tensor out = Tensor::empty({t, hq, d}, s.options.dtype);
+    Tensor lse = Tensor::empty({hq, t}, DType::kF32);
+    fill_host(out.view(), std::nan(""));
+    fill_host(lse.view(), std::nan(""));
+    ctx.begin_step({&view});
+    layer.forward(s.q[i].view(), s.k[i].view(), s.v[i].view(), out.view(), lse.view());
+    ctx.end_step();
+    if (dcp) dcp_clear_empty_rows(step, out.view(), lse.view());
+    outs.push_back(std::move(out));
+    lses.push_back(std::move(lse));
+  }
+}
+
+// Merges the ranks' results in rank order (merge_states, spec 4.12); the merged LSE goes to
+// `merged_lse` when given.
 inline Tensor merge_ranks(const Backend& backend, std::vector<Tensor> outs,
-                          std::vector<Tensor> lses) {
+                          std::vector<Tensor> lses, Tensor* merged_lse_out = nullptr) {
   Tensor merged = std::move(outs[0]), merged_lse = std::move(lses[0]);
   for (size_t r = 1; r < outs.size(); ++r) {
-    Tensor next = Tensor::empty(merged.view().shape_vector(), DType::kF32);
+    Tensor next = Tensor::empty(merged.view().shape_vector(), merged.view().dtype);
     Tensor next_lse = Tensor::empty(merged_lse.view().shape_vector(), DType::kF32);
     backend.merge_states({merged.view(),
                           merged_lse.view(),
@@ -181,6 +296,7 @@ inline Tensor merge_ranks(const Backend& backend, std::vector<Tensor> outs,
     merged = std::move(next);
     merged_lse = std::move(next_lse);
   }
+  if (merged_lse_out) *merged_lse_out = std::move(merged_lse);
   return merged;
 }
 
