@@ -45,6 +45,10 @@ TEST(MultiHeadAttention, ChecksShapes) {
   Tensor none = Tensor::zeros({2, 0, 32}, DType::kF32);
   EXPECT_ERROR(mha.forward(q.view(), none.view(), none.view(), out.view()), InvalidArgument,
                "key must have at least 1 token per batch element when the query has 5; got 0");
+  TensorView empty = none.view();  // as a DLPack producer may hand it over: strides all 0
+  empty.strides = {0, 0, 0, 0, 0, 0};
+  EXPECT_ERROR(mha.forward(q.view(), empty, empty, out.view()), InvalidArgument,
+               "key must have at least 1 token per batch element when the query has 5; got 0");
   Tensor other_batch = Tensor::zeros({3, 7, 32}, DType::kF32);
   EXPECT_ERROR(mha.forward(q.view(), other_batch.view(), other_batch.view(), out.view()),
                InvalidArgument, "must have the same batch size; got 2, 3, 3, 2");
