@@ -24,7 +24,7 @@ struct AttentionMetadata {
   bool causal = true;         ///< false for encoder, encoder-only and cross attention
 
   TensorView query_start_loc;      ///< int32 [num_seqs + 1], non-decreasing, [0] = 0
-  TensorView seq_lens;             ///< int32 [num_seqs], seq_lens[r] >= query_len[r]
+  TensorView seq_lens;             ///< int32 [num_seqs], >= query_len[r] but for cross attention
   TensorView block_table;          ///< int32 [num_seqs, max_blocks_per_seq], logical -> physical
   TensorView slot_mapping;         ///< int64 [num_slots >= T_a for decoders]; -1 = do not write
   TensorView query_start_loc_cpu;  ///< host mirror of query_start_loc
@@ -99,7 +99,8 @@ struct CacheGeometry {
 /// block_table and slot_mapping when they are on the CPU). Throws InvalidArgument naming the
 /// field, the request or token, the value and the bound:
 /// - shapes and dtypes; query_start_loc[0] == 0, non-decreasing, last == num_actual_tokens;
-/// - seq_lens[r] >= query_len[r]; max_query_len / max_seq_len >= the real maxima;
+/// - seq_lens[r] >= query_len[r] (cross attention: >= 0, its query may outnumber the encoder's
+///   keys); max_query_len / max_seq_len >= the real maxima;
 /// - for cached types: block_table wide enough for ceil(seq_len / block_size), its used entries
 ///   inside [0, num_blocks); each slot -1 or inside the cache and, for decoders, inside one of
 ///   its own request's used blocks; decoders have at least num_actual_tokens slots and -1 past

@@ -5,7 +5,7 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <utility>
+#include <tuple>
 
 #include "pagedattn/backend.h"
 #include "pagedattn/config.h"
@@ -26,8 +26,13 @@ struct MultiHeadAttentionOptions {
   Device device{};
 };
 
-/// Full bidirectional attention per batch element, no cache, no mask: the backends' encoder-only
-/// path with one request per batch element (query b's keys are key rows of batch element b).
+/// Full bidirectional attention per batch element, no cache, no mask. Query b attends to the
+/// key rows of batch element b. With as many keys as queries (Skv == Sq, vision encoders) it is
+/// the backends' encoder-only path, one request per batch element. With another key length
+/// (cross attention over an encoder's output) it is the backends' cross-attention path: the
+/// key / value rows are read in place as a paged cache of one token per block whose block table
+/// lists batch element b's rows, so every backend that serves encoder_decoder attention for
+/// these sizes serves it, with no copy of K/V.
 class MultiHeadAttention {
  public:
   /// Validates (num_heads divisible by num_kv_heads, ...) and selects a backend, explaining
@@ -41,10 +46,11 @@ class MultiHeadAttention {
   const AttentionConfig& config() const { return config_; }
   const Backend& backend() const { return *backend_; }
 
-  /// query [B, Sq, Hq*D] or [B, Sq, Hq, D]; key / value [B, Skv, Hkv*D] or 4-D, on the
-  /// layer's device in its dtype; output like query. Sq must equal Skv (key lengths other than
-  /// the query's are not supported yet: NotSupported). Per-(B, S) metadata is built once and
-  /// kept on the device, so repeated shapes launch without host work beyond the plan.
+  /// query [B, Sq, Hq*D] or [B, Sq, Hq, D]; key / value [B, Skv, Hkv*D] or 4-D (Skv >= 1
+  /// when Sq >= 1; any Skv otherwise), on the layer's device in its dtype; output like query.
+  /// Skv != Sq runs on the selected backend's cross-attention path (NotSupported, with its
+  /// reasons, when that backend refuses it). Per-(B, Sq, Skv) metadata is built once and kept on
+  /// the device, so repeated shapes launch without host work beyond the plan.
   void forward(const TensorView& query, const TensorView& key, const TensorView& value,
                const TensorView& output, Stream stream = {});
   Tensor forward(const TensorView& query, const TensorView& key, const TensorView& value);
@@ -54,13 +60,16 @@ class MultiHeadAttention {
     StepMetadata host;
     AttentionMetadata device;
   };
-  const Step& step_for(int batch, int seq);
+  const Step& step_for(int batch, int seq_q, int seq_kv);
+  AttentionImpl& cross_impl();
 
-  AttentionConfig config_;
+  AttentionConfig config_;        // encoder_only: Skv == Sq
+  AttentionConfig cross_config_;  // encoder_decoder over a one-token-per-block view: Skv != Sq
   Device device_;
   const Backend* backend_ = nullptr;
   std::unique_ptr<AttentionImpl> impl_;
-  std::map<std::pair<int, int>, std::unique_ptr<Step>> steps_;
+  std::unique_ptr<AttentionImpl> cross_impl_;  // made on the first Skv != Sq call
+  std::map<std::tuple<int, int, int>, std::unique_ptr<Step>> steps_;  // (B, Sq, Skv)
   Tensor workspace_;
   size_t workspace_bytes_ = 0;
 };

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "pagedattn/backend.h"
+#include "pagedattn/case_file.h"
 #include "pagedattn/forward_context.h"
 #include "pagedattn/kv_cache.h"
 #include "pagedattn/kv_cache_spec.h"
@@ -65,7 +66,8 @@ class MLAAttention {
   bool calculate_kv_scales() const { return calibrate_; }
 
   /// q [T, N, P + R] (RoPE applied to the last R), kv_c_normed [T, L], k_pe [T, R] or
-  /// [T, 1, R]; output [T, N * V] (rows [0, num_actual_tokens) written). Writes the step's
+  /// [T, 1, R]; output [T, N * V] in the activation dtype (float32 / float64 also accepted, for
+  /// checks), rows [0, num_actual_tokens) written. Writes the step's
   /// latent entries (slot -1 skipped), then attends; reads the step's metadata (KV-cache group
   /// 0) from the context; a profiling step zeroes the output.
   void forward(const TensorView& q, const TensorView& kv_c_normed, const TensorView& k_pe,
@@ -83,5 +85,26 @@ class MLAAttention {
   std::vector<float> w_uk_t_;  // [N, P, L]
   std::vector<float> w_uv_;    // [N, L, V]
 };
+
+/// One step of an MLAAttention layer as it ran, for check_mla_step. Host tensors and views.
+struct MLAStepCase {
+  MLAOptions options;          ///< the layer's (attn_backend, device and calibration are ignored)
+  TensorView kv_b_proj;        ///< [L, N * (P + V)], as given to load_kv_b_proj
+  float k_scale = 1.0f;        ///< the latent scale the step ran with (fp8 caches)
+  TensorView latent_cache;     ///< before the step: [num_blocks, block_size, L + R], cache dtype
+  AttentionMetadata metadata;  ///< the step (KV-cache group 0), host views
+  TensorView q;                ///< [T, N, P + R]
+  TensorView kv_c_normed;      ///< [T, L]
+  TensorView k_pe;             ///< [T, R]
+};
+
+/// Checks an MLA step's `output` [T, N * V] and `latent_cache_after` (host) against the same
+/// layer with its attention on the float64 reference backend, output in float64 (the oracle),
+/// within the budget of the low-precision reference (accuracy.h, default_tolerance(dtype)); the
+/// latent cache must be bit-identical to the reference's write. The layer's own projections
+/// (absorption, up-projection) run in all three, so this checks what the backend computes;
+/// tests/unit/test_mla.cpp checks the projections against the non-absorbed formulation.
+CaseCheck check_mla_step(const MLAStepCase& step, const TensorView& output,
+                         const TensorView& latent_cache_after);
 
 }  // namespace pagedattn

@@ -162,8 +162,12 @@ void validate_metadata(const AttentionMetadata& m, AttentionType attn_type,
     require(end >= begin, "metadata.query_start_loc must be non-decreasing: [", r + 1, "] = ", end,
             " < [", r, "] = ", begin);
     const int64_t q = end - begin, s = at_i32(sl, r);
-    require(s >= q, "metadata.seq_lens[", r, "] (", s, ") is shorter than the request's ", q,
-            " query tokens");
+    require(s >= 0, "metadata.seq_lens[", r, "] (", s, ") must be >= 0");
+    // Cross attention reads the encoder's s keys, however many decoder tokens ask: the query
+    // may be longer (its positions s - q + i then start below 0; only windows and ALiBi read
+    // them). Every other type needs the query among the keys.
+    require(s >= q || attn_type == AttentionType::kEncoderDecoder, "metadata.seq_lens[", r, "] (",
+            s, ") is shorter than the request's ", q, " query tokens");
     if (!uses_kv_cache(attn_type)) {
       require(s == q, "metadata.seq_lens[", r, "] (", s, ") must equal the query length (", q,
               ") for ", to_string(attn_type), " attention, which has no cache");

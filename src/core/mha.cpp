@@ -19,7 +19,9 @@ TensorView as_rows(const TensorView& v, std::string_view name, int heads, int he
   if (v.ndim == 3) {
     require(v.size(2) == int64_t(heads) * head_size, name, " must be [batch, seq, ", heads, "*",
             head_size, "]; got ", describe(v));
-    require(v.stride(2) == 1, name, " must be contiguous in its last dimension; got ", describe(v));
+    // An empty tensor's strides are arbitrary (DLPack producers give 0 or 1).
+    require(v.numel() == 0 || v.stride(2) == 1, name,
+            " must be contiguous in its last dimension; got ", describe(v));
     head_stride = head_size;
     elem_stride = 1;
   } else {
@@ -49,6 +51,24 @@ AttentionConfig make_config(const MultiHeadAttentionOptions& o) {
   return c;
 }
 
+// Skv != Sq: cross attention, whose keys come from a paged cache; the key / value rows
+// [B*Skv, Hkv, D] are that cache, one token per block (block b*Skv + j = key j of element b).
+AttentionConfig make_cross_config(const AttentionConfig& c) {
+  AttentionConfig x = c;
+  x.attn_type = AttentionType::kEncoderDecoder;
+  x.block_size = 1;
+  return x;
+}
+
+// [B*Skv, H, D] rows -> the [num_blocks = B*Skv, block_size = 1, H, D] cache view of them.
+TensorView as_one_token_blocks(const TensorView& rows) {
+  TensorView v = rows;
+  v.ndim = 4;
+  v.shape = {rows.size(0), 1, rows.size(1), rows.size(2), 0, 0};
+  v.strides = {rows.stride(0), rows.stride(0), rows.stride(1), rows.stride(2), 0, 0};
+  return v;
+}
+
 }  // namespace
 
 MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionOptions& options,
@@ -58,22 +78,57 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionOptions& options,
   require(config_.num_kv_heads > 0 && config_.num_heads % config_.num_kv_heads == 0, "num_heads (",
           config_.num_heads, ") must be divisible by num_kv_heads (", config_.num_kv_heads, ")");
   config_.validate();
+  cross_config_ = make_cross_config(config_);
   backend_ = &registry.select(BackendQuery{config_, device_}, options.attn_backend);
   impl_ = backend_->make_impl(config_, device_);
 }
 
 MultiHeadAttention::~MultiHeadAttention() = default;
 
-const MultiHeadAttention::Step& MultiHeadAttention::step_for(int batch, int seq) {
-  auto& slot = steps_[{batch, seq}];
+AttentionImpl& MultiHeadAttention::cross_impl() {
+  if (!cross_impl_) {
+    const std::vector<std::string> reasons = backend_->check(BackendQuery{cross_config_, device_});
+    if (!reasons.empty()) {
+      std::string all;
+      for (const std::string& r : reasons) all += (all.empty() ? "" : "; ") + r;
+      detail::fail<NotSupported>(
+          "MultiHeadAttention: a key length other than the query's runs as cross attention "
+          "(encoder_decoder), which backend '",
+          backend_->name(), "' refuses here: ", all);
+    }
+    cross_impl_ = backend_->make_impl(cross_config_, device_);
+  }
+  return *cross_impl_;
+}
+
+const MultiHeadAttention::Step& MultiHeadAttention::step_for(int batch, int seq_q, int seq_kv) {
+  auto& slot = steps_[{batch, seq_q, seq_kv}];
   if (!slot) {
     auto step = std::make_unique<Step>();
-    MetadataBuilder b(config_.block_size);
-    b.causal(false);
-    for (int i = 0; i < batch; ++i) b.add(RequestSpec{0, seq, {}});
-    step->host = b.build();
+    if (seq_kv == seq_q) {
+      MetadataBuilder b(config_.block_size);
+      b.causal(false);
+      for (int i = 0; i < batch; ++i) b.add(RequestSpec{0, seq_q, {}});
+      step->host = b.build();
+      validate_metadata(step->host.view(), config_.attn_type, CacheGeometry{});
+    } else {
+      // One request per batch element: Sq query rows against the Skv key rows of its element,
+      // blocks [b*Skv, (b+1)*Skv) of the one-token-per-block view. Nothing is written.
+      StepMetadata& h = step->host;
+      h.causal = false;
+      h.max_query_len = seq_q;
+      h.max_seq_len = seq_kv;
+      h.max_blocks_per_seq = seq_kv;
+      h.query_start_loc.push_back(0);
+      for (int i = 0; i < batch; ++i) {
+        h.query_start_loc.push_back(h.query_start_loc.back() + seq_q);
+        h.seq_lens.push_back(seq_kv);
+        for (int j = 0; j < seq_kv; ++j) h.block_table.push_back(i * seq_kv + j);
+      }
+      validate_metadata(h.view(), cross_config_.attn_type,
+                        CacheGeometry{int64_t(batch) * seq_kv, cross_config_.block_size});
+    }
     step->device = step->host.to_device(device_);
-    validate_metadata(step->host.view(), config_.attn_type, CacheGeometry{});
     slot = std::move(step);
   }
   return *slot;
@@ -87,27 +142,35 @@ void MultiHeadAttention::forward(const TensorView& query_in, const TensorView& k
   const TensorView key = as_rows(key_in, "key", hk, d);
   const TensorView value = as_rows(value_in, "value", hk, d);
   const TensorView output = as_rows(output_in, "output", hq, d);
-  const int64_t batch = query_in.size(0), seq = query_in.size(1);
+  const int64_t batch = query_in.size(0), seq = query_in.size(1), seq_kv = key_in.size(1);
   require(key_in.size(0) == batch && value_in.size(0) == batch && output_in.size(0) == batch,
           "query, key, value and output must have the same batch size; got ", batch, ", ",
           key_in.size(0), ", ", value_in.size(0), ", ", output_in.size(0));
   require(output_in.size(1) == seq, "output has ", output_in.size(1),
           " tokens per batch element; the query has ", seq);
-  require(value_in.size(1) == key_in.size(1), "key has ", key_in.size(1),
-          " tokens per batch element and value ", value_in.size(1));
-  require<NotSupported>(key_in.size(1) == seq,
-                        "MultiHeadAttention: a key length other than the query's (Sq=", seq,
-                        ", Skv=", key_in.size(1), ") is not supported yet");
+  require(value_in.size(1) == seq_kv, "key has ", seq_kv, " tokens per batch element and value ",
+          value_in.size(1));
   require(batch * seq <= int64_t(1) << 31, "batch * seq (", batch * seq, ") exceeds 2^31");
+  require(batch * seq_kv <= int64_t(1) << 31, "batch * key length (", batch * seq_kv,
+          ") exceeds 2^31");
   if (batch == 0 || seq == 0) return;
-  const Step& step = step_for(int(batch), int(seq));
+  require(seq_kv >= 1, "key must have at least 1 token per batch element when the query has ", seq,
+          "; got 0");
+  const bool cross = seq_kv != seq;
+  const AttentionConfig& cfg = cross ? cross_config_ : config_;
+  AttentionImpl& impl = cross ? cross_impl() : *impl_;
+  const Step& step = step_for(int(batch), int(seq), int(seq_kv));
   ForwardArgs f;
   f.query = query;
-  f.key = key;
-  f.value = value;
+  if (cross) {
+    f.kv_cache = KVCacheView{as_one_token_blocks(key), as_one_token_blocks(value)};
+  } else {
+    f.key = key;
+    f.value = value;
+  }
   f.output = output;
   f.metadata = &step.device;
-  const auto plan = backend_->plan(step.host.view(), config_);
+  const auto plan = backend_->plan(step.host.view(), cfg);
   if (plan->workspace_bytes() > workspace_bytes_) {
     workspace_ = Tensor::empty({int64_t(plan->workspace_bytes())}, DType::kU8, device_);
     workspace_bytes_ = plan->workspace_bytes();
@@ -115,8 +178,8 @@ void MultiHeadAttention::forward(const TensorView& query_in, const TensorView& k
   f.plan = plan.get();
   f.workspace = {workspace_.data(), plan->workspace_bytes()};
   f.stream = stream;
-  check_forward_args(config_, f, /*check_metadata=*/false);
-  impl_->forward(f);
+  check_forward_args(cfg, f, /*check_metadata=*/false);
+  impl.forward(f);
 }
 
 Tensor MultiHeadAttention::forward(const TensorView& query, const TensorView& key,

@@ -131,9 +131,12 @@ void MLAAttention::forward(const TensorView& q, const TensorView& kv_c, const Te
           "k_pe must be [num_tokens=", t_in, ", qk_rope_head_dim=", r, "] or [num_tokens, 1, ", r,
           "]; got ", describe(k_pe_in));
   require(output.defined() && output.ndim == 2 && output.size(0) >= t_in &&
-              output.size(1) == int64_t(n) * v && output.dtype == config_.dtype,
-          "output must be ", dtype_name(config_.dtype), " [num_tokens=", t_in,
-          ", num_heads*v_head_dim=", int64_t(n) * v, "]; got ", describe(output));
+              output.size(1) == int64_t(n) * v &&
+              (output.dtype == config_.dtype || output.dtype == DType::kF32 ||
+               output.dtype == DType::kF64),
+          "output must be ", dtype_name(config_.dtype),
+          " (or float32 / float64) [num_tokens=", t_in, ", num_heads*v_head_dim=", int64_t(n) * v,
+          "]; got ", describe(output));
   for (const TensorView* t : {&q, &kv_c, static_cast<const TensorView*>(&k_pe), &output}) {
     require<NotSupported>(t->device.is_cpu(),
                           "MLAAttention runs on host tensors in this version; got ", describe(*t));

@@ -176,6 +176,11 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
     m.add("cross", c, {{0, 1, 0, 50, false}, {0, 1, 0, 50, false}});  // pure decode steps
     c.kv_cache_dtype = KVCacheDType::kFp8E4M3;
     m.add("cross", c, {{0, 3, 0, 17, true}, {0, 0, 0, 17, false}});
+    // MultiHeadAttention with a key length other than the query's: decoder queries longer and
+    // shorter than the encoder output, over one-token blocks; long enough for prefill kernels.
+    c.kv_cache_dtype = KVCacheDType::kAuto;
+    c.block_size = 1;
+    m.add("cross", c, {{0, 150, 0, 37, true}, {0, 9, 0, 200, false}, {0, 1, 0, 1, true}});
   }
   // MLA's absorbed decode: every query head against one latent KV head of kv_lora_rank +
   // qk_rope_head_dim = 576 (DeepSeek-V3), block size 64, bf16 and fp8 latent caches.

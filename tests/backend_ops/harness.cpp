@@ -64,7 +64,8 @@ CaseData make_case_data(const OpCase& k) {
     RequestSpec spec;
     spec.num_new_tokens = r.query_len;
     if (cross) {
-      spec.context_len = r.encoder_len - r.query_len;  // seq_len = the encoder length
+      // seq_len = the encoder length, fixed below when the query is longer than it.
+      spec.context_len = std::max(0, r.encoder_len - r.query_len);
     } else if (cached) {
       spec.context_len = r.context_len;
     }
@@ -87,6 +88,9 @@ CaseData make_case_data(const OpCase& k) {
         }
       }
       previous_blocks = spec.block_ids;
+      // A query longer than its encoder: the builder counts query_len keys; the extra table
+      // columns point at the null block and are never read (seq_len is set back below).
+      while (int64_t(spec.block_ids.size()) < ceil_div(seq_len, bs)) spec.block_ids.push_back(0);
     }
     builder.add(spec);
   }
@@ -95,7 +99,14 @@ CaseData make_case_data(const OpCase& k) {
   data.num_query_rows = num_tokens + k.pad_tokens;
   builder.pad_slots_to(int(data.num_query_rows));
   data.step = builder.build();
-  if (cross) data.step.slot_mapping = cross_slots;
+  if (cross) {
+    data.step.slot_mapping = cross_slots;
+    data.step.max_seq_len = 0;
+    for (size_t r = 0; r < k.requests.size(); ++r) {
+      data.step.seq_lens[r] = k.requests[r].encoder_len;
+      data.step.max_seq_len = std::max(data.step.max_seq_len, k.requests[r].encoder_len);
+    }
+  }
 
   const float s = k.input_std;
   data.query = random_tensor({data.num_query_rows, hq, d}, c.dtype, s, rng);

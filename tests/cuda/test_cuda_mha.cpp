@@ -1,5 +1,7 @@
-// MultiHeadAttention on the cuda backend (the prefill kernels' encoder-only path): ViT-like
-// shapes, MHA and GQA, head sizes with and without a Hopper kernel, against float64.
+// MultiHeadAttention on the cuda backend: ViT-like shapes (Skv == Sq, the kernels' encoder-only
+// path) and key lengths other than the query's (Sq = 1, Skv = 1, Sq > Skv, Sq < Skv: the
+// cross-attention path over the key rows seen as one-token blocks), MHA and GQA, head sizes
+// with and without a Hopper kernel, against float64.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -25,15 +27,17 @@ TEST(CudaMultiHeadAttention, MatchesFloat64) {
   lowp.add(ref::make_backend(ref::Precision::kLowPrecision));
   std::mt19937 rng(7);
   struct Shape {
-    int b, s, hq, hkv, d;
+    int b, sq, skv, hq, hkv, d;
   };
   for (const Shape sh :
-       {Shape{2, 197, 12, 12, 64}, Shape{2, 129, 16, 16, 80}, Shape{3, 65, 8, 2, 128},
-        Shape{1, 300, 4, 1, 256}, Shape{4, 3, 8, 8, 64}}) {
+       {Shape{2, 197, 197, 12, 12, 64}, Shape{2, 129, 129, 16, 16, 80}, Shape{3, 65, 65, 8, 2, 128},
+        Shape{1, 300, 300, 4, 1, 256}, Shape{4, 3, 3, 8, 8, 64}, Shape{2, 1, 300, 8, 2, 128},
+        Shape{3, 50, 1, 8, 8, 64}, Shape{2, 200, 77, 12, 12, 64}, Shape{1, 9, 500, 16, 16, 80},
+        Shape{2, 129, 600, 4, 1, 256}}) {
     for (DType dt : {DType::kBF16, DType::kF16}) {
-      const Tensor q = test::random_tensor({sh.b, sh.s, int64_t(sh.hq) * sh.d}, dt, rng);
-      const Tensor k = test::random_tensor({sh.b, sh.s, int64_t(sh.hkv) * sh.d}, dt, rng);
-      const Tensor v = test::random_tensor({sh.b, sh.s, int64_t(sh.hkv) * sh.d}, dt, rng);
+      const Tensor q = test::random_tensor({sh.b, sh.sq, int64_t(sh.hq) * sh.d}, dt, rng);
+      const Tensor k = test::random_tensor({sh.b, sh.skv, int64_t(sh.hkv) * sh.d}, dt, rng);
+      const Tensor v = test::random_tensor({sh.b, sh.skv, int64_t(sh.hkv) * sh.d}, dt, rng);
       MultiHeadAttentionOptions o;
       o.num_heads = sh.hq;
       o.num_kv_heads = sh.hkv;
@@ -51,7 +55,7 @@ TEST(CudaMultiHeadAttention, MatchesFloat64) {
       const Tensor gq = Tensor::copy_of(q.view(), dev), gk = Tensor::copy_of(k.view(), dev),
                    gv = Tensor::copy_of(v.view(), dev);
       // Poisoned output: every element must be written.
-      Tensor host_out = Tensor::empty({sh.b, sh.s, int64_t(sh.hq) * sh.d}, dt);
+      Tensor host_out = Tensor::empty({sh.b, sh.sq, int64_t(sh.hq) * sh.d}, dt);
       for (int64_t i = 0; i < host_out.view().numel(); ++i)
         store_element(host_out.data(), dt, i, NAN);
       Tensor gout = Tensor::copy_of(host_out.view(), dev);
@@ -61,8 +65,8 @@ TEST(CudaMultiHeadAttention, MatchesFloat64) {
       const Tensor got = Tensor::copy_of(gout.view(), Device::cpu());
       const ErrorStats err = compare(got.view(), want.view());
       EXPECT_TRUE(within_budget(err, base_err, default_tolerance(dt)))
-          << dtype_name(dt) << " b" << sh.b << " s" << sh.s << " h" << sh.hq << "/" << sh.hkv
-          << " d" << sh.d << ": " << err.to_string()
+          << dtype_name(dt) << " b" << sh.b << " sq" << sh.sq << " skv" << sh.skv << " h" << sh.hq
+          << "/" << sh.hkv << " d" << sh.d << ": " << err.to_string()
           << " (low-precision reference: " << base_err.to_string() << ")";
     }
   }

@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -165,6 +168,133 @@ TEST(SimRun, AWrongBackendFailsAndLeavesReplayableCases) {
   EXPECT_TRUE(check_case(c, run_case(c, *registry.find("ref"))).pass());
   EXPECT_FALSE(check_case(c, run_case(c, *registry.find("sim-test-scaled"))).pass());
   std::filesystem::remove_all(dir);
+}
+
+// A short workload (the layer's host projections make MLA steps slow, under ASan most): five
+// requests sharing one system prompt, arriving one every other step so that later prompts hit
+// the earlier ones' cached blocks.
+SimOptions deepseek_options() {
+  SimOptions o;
+  o.preset = "deepseek-v3";
+  o.measure_bandwidth = false;
+  o.verify_every = 2;
+  o.workload.num_requests = 5;
+  o.workload.prompt_len_median = 48;
+  o.workload.output_len_median = 8;
+  o.workload.shared_prefix_fraction = 1.0;
+  o.workload.num_shared_prefixes = 1;
+  o.workload.arrival_rate = 0.5;
+  return o;
+}
+
+// The MLA preset: MLAAttention layers through the same engine, checked against the layer over
+// the float64 reference.
+TEST(SimRun, DeepSeekV3RunsMLAAttentionAndMatchesTheReference) {
+  const SimReport r = run_simulation(deepseek_options());
+  EXPECT_TRUE(r.passed());
+  EXPECT_EQ(r.layer_kind, "MLAAttention");
+  EXPECT_EQ(r.finished_requests, 5);
+  EXPECT_GT(r.verified_steps, 0);
+  EXPECT_EQ(r.layer_checks, r.verified_steps) << "one KV-cache group, one layer checked per step";
+  EXPECT_EQ(r.failed_checks, 0);
+  EXPECT_LE(r.worst.max_abs, r.worst.budget);
+  ASSERT_EQ(r.groups.size(), 1u);
+  EXPECT_EQ(r.groups[0].kind, "mla");
+  EXPECT_EQ(r.groups[0].num_layers, r.num_layers);
+  EXPECT_EQ(r.num_kv_heads, 1);
+  EXPECT_EQ(r.head_size, 576);
+  EXPECT_GT(r.decode_tokens, 0);
+  EXPECT_GT(r.prefix_hit_tokens, 0);
+  // One 576-wide bf16 latent entry per key, read once.
+  EXPECT_GT(r.kv_bytes_read, 0);
+  EXPECT_EQ(std::fmod(r.kv_bytes_read, 576.0 * 2.0), 0.0);
+  const nlohmann::json j = nlohmann::json::parse(report_json(r));
+  EXPECT_EQ(j["model"]["layer"], "MLAAttention");
+  EXPECT_EQ(j["model"]["mla"]["kv_lora_rank"], 512);
+  EXPECT_EQ(j["model"]["scaled_down"]["model_num_layers"], 61);
+  EXPECT_EQ(j["verification"]["passed"], true);
+  const std::string text = format_report(r);
+  EXPECT_NE(text.find("MLAAttention layers"), std::string::npos) << text;
+  EXPECT_NE(text.find("scaled down"), std::string::npos) << text;
+  EXPECT_NE(text.find("all passed"), std::string::npos) << text;
+}
+
+TEST(SimRun, DeepSeekV3Fp8LatentCacheCalibratesOneScale) {
+  SimOptions o = deepseek_options();
+  o.workload.num_requests = 3;
+  o.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+  const SimReport r = run_simulation(o);
+  EXPECT_TRUE(r.passed());
+  EXPECT_GT(r.layer_checks, 0);
+  ASSERT_TRUE(r.k_scale);
+  EXPECT_NE(*r.k_scale, 1.0f) << "calibrated on the first batch";
+  EXPECT_FALSE(r.v_scale) << "the latent has one scale";
+  EXPECT_EQ(r.kv_cache_storage_dtype, "float8_e4m3fn");
+}
+
+// On the batch-invariant reference, every output row depends only on its token's prefix: two
+// schedules of one workload (batched with prefix hits; one request at a time, no prefix
+// caching) give the same digest.
+TEST(SimRun, DeepSeekV3DigestDoesNotDependOnTheSchedule) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("pagedattn_sim_mla_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  auto digest = [&](bool batched, const std::string& name) {
+    SimOptions o = deepseek_options();
+    o.workload.num_requests = 3;
+    o.verify_every = 0;
+    o.backend = "ref";
+    if (!batched) {
+      o.max_num_seqs = 1;
+      o.enable_prefix_caching = false;
+    }
+    o.digest_file = (dir / name).string();
+    const SimReport r = run_simulation(o);
+    EXPECT_EQ(r.digest_rows, r.num_layers * r.workload_output_tokens);
+    EXPECT_EQ(r.prefix_hit_tokens > 0, batched);
+    std::ifstream f(o.digest_file);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  };
+  const std::string batched = digest(true, "batched"), serial = digest(false, "serial");
+  EXPECT_FALSE(batched.empty());
+  EXPECT_EQ(batched, serial);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(SimRun, AWrongBackendFailsTheMLAPreset) {
+  Registry& registry = default_registry();
+  if (!registry.find("sim-test-scaled")) {
+    registry.add(std::make_unique<ScaledBackend>(*registry.find("ref")));
+  }
+  SimOptions o = deepseek_options();
+  o.workload.num_requests = 2;
+  o.backend = "sim-test-scaled";
+  std::ostringstream log;
+  o.log = &log;
+  const SimReport r = run_simulation(o);
+  EXPECT_FALSE(r.passed());
+  EXPECT_GT(r.failed_checks, 0);
+  EXPECT_GT(r.worst.max_abs, r.worst.budget);
+  EXPECT_TRUE(r.failure_files.empty()) << "MLA steps have no case-file format";
+  EXPECT_NE(log.str().find("verification FAILED"), std::string::npos) << log.str();
+  EXPECT_NE(log.str().find("no case-file format"), std::string::npos) << log.str();
+}
+
+TEST(SimRun, DeepSeekV3RefusesWhatMLADoesNotHave) {
+  SimOptions o = deepseek_options();
+  o.kv_cache_layout = KVCacheLayout::kHND;
+  EXPECT_ERROR(run_simulation(o), InvalidArgument,
+               "--kv-cache-layout HND does not apply to preset deepseek-v3");
+  o = deepseek_options();
+  o.kv_connector = "storage:" + std::filesystem::temp_directory_path().string();
+  EXPECT_ERROR(run_simulation(o), NotSupported,
+               "--connector: preset deepseek-v3 runs MLAAttention layers, which have no "
+               "KV-connector hooks");
+  o = deepseek_options();
+  o.device = Device::cuda(0);
+  EXPECT_ERROR(run_simulation(o), NotSupported,
+               "--device cuda:0: preset deepseek-v3 runs MLAAttention layers, which take host "
+               "tensors in this version");
 }
 
 TEST(SimRun, BadArgumentsAreNamed) {

@@ -126,11 +126,28 @@ TEST(SimPresets, ShapesOfTheNamedModels) {
   const ModelPreset& qwen = find_preset("qwen2.5-7b");
   EXPECT_EQ(qwen.num_layers, 28);
   EXPECT_EQ(qwen.num_kv_heads, 4);
+  // DeepSeek-V3's MLA sizes (spec 5.1), its YaRN-scaled softmax scale, and the scale-down.
+  const ModelPreset& dsv3 = find_preset("deepseek-v3");
+  ASSERT_TRUE(dsv3.mla);
+  EXPECT_EQ(dsv3.mla->qk_nope_head_dim, 128);
+  EXPECT_EQ(dsv3.mla->qk_rope_head_dim, 64);
+  EXPECT_EQ(dsv3.mla->v_head_dim, 128);
+  EXPECT_EQ(dsv3.mla->kv_lora_rank, 512);
+  EXPECT_EQ(dsv3.mla->q_lora_rank, 1536);
+  EXPECT_EQ(dsv3.num_kv_heads, 1);
+  EXPECT_EQ(dsv3.head_size, 576);
+  EXPECT_NEAR(dsv3.scale, 0.1352338, 1e-6);  // (1 + 0.1 ln 40)^2 / sqrt(192)
+  EXPECT_EQ(dsv3.model_num_layers, 61);
+  EXPECT_EQ(dsv3.model_num_heads, 128);
+  EXPECT_LT(dsv3.num_layers, dsv3.model_num_layers);
+  EXPECT_LT(dsv3.num_heads, dsv3.model_num_heads);
+  EXPECT_FALSE(dsv3.scaled_down_reason.empty());
+  EXPECT_FALSE(llama.mla);
   EXPECT_EQ(find_preset("tiny").num_layers, 2);
   EXPECT_EQ(ModelPreset::layer_name(3), "model.layers.3.self_attn.attn");
   EXPECT_ERROR(find_preset("llama-2"), InvalidArgument,
                "--preset 'llama-2' is not a model preset; valid presets: llama-3-8b, qwen2.5-7b, "
-               "mistral-7b, gemma-2-9b, gpt-oss-20b, tiny");
+               "mistral-7b, gemma-2-9b, gpt-oss-20b, deepseek-v3, tiny");
 }
 
 }  // namespace

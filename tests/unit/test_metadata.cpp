@@ -173,6 +173,21 @@ TEST_F(MetadataValidation, CrossAttentionSlotsMustLieInSomeRequestsBlocks) {
   EXPECT_ERROR(validate_metadata(s.view(), AttentionType::kEncoderDecoder, {8, 4}), InvalidArgument,
                "metadata.slot_mapping[2] (4) lies in block 1, which no request");
 }
+TEST_F(MetadataValidation, CrossAttentionQueriesMayOutnumberTheEncoderKeys) {
+  // 6 decoder tokens against 3 encoder keys: cross attention only.
+  StepMetadata s = MetadataBuilder(4).add({0, 3, {2}}).causal(false).build();
+  s.query_start_loc = {0, 6};
+  s.max_query_len = 6;
+  s.slot_mapping.assign(6, -1);
+  EXPECT_NO_THROW(validate_metadata(s.view(), AttentionType::kEncoderDecoder, {8, 4}));
+  s.seq_lens[0] = -1;
+  EXPECT_ERROR(validate_metadata(s.view(), AttentionType::kEncoderDecoder, {8, 4}), InvalidArgument,
+               "metadata.seq_lens[0] (-1) must be >= 0");
+  s.seq_lens[0] = 3;
+  s.causal = true;
+  EXPECT_ERROR(validate_metadata(s.view(), AttentionType::kDecoder, {8, 4}), InvalidArgument,
+               "metadata.seq_lens[0] (3) is shorter than the request's 6 query tokens");
+}
 
 }  // namespace
 }  // namespace pagedattn

@@ -4,6 +4,7 @@
 // accuracy rule (accuracy.h); validation errors.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <random>
 
@@ -220,6 +221,89 @@ TEST(MLAAttention, MatchesTheNonAbsorbedFormulationOnEveryCpuBackend) {
     }
     EXPECT_GE(tested, default_registry().find("cpu") != nullptr ? 2 : 1);
   }
+}
+
+// check_mla_step passes a step the cpu (or ref) layer ran, and fails one whose output or latent
+// cache was changed afterwards.
+TEST(MLAAttention, CheckMlaStepPassesTheLayerAndCatchesAWrongOutputOrCache) {
+  const Scenario s = make_scenario(DType::kBF16, KVCacheDType::kAuto, 11);
+  MLAOptions o = mla_options(s.dtype, s.cache);
+  ForwardContext ctx;
+  MLAAttention layer(ctx, o);
+  Tensor w = Tensor::empty({kL, kN * (kP + kV)}, DType::kF64);
+  std::copy(s.w.begin(), s.w.end(), static_cast<double*>(w.data()));
+  layer.load_kv_b_proj(w.view());
+  // Blocks 1-2: request 0's 20 cached tokens (written by a first step); the checked step adds
+  // its token 20 and a fresh 7-token request in block 3.
+  Tensor cache = Tensor::zeros({4, kBlock, kE}, layer.config().cache_dtype());
+  layer.bind_kv_cache(cache.view());
+  auto inputs = [&](int r, int first, int count) {
+    Tensor q = Tensor::empty({count, kN, kP + kR}, s.dtype),
+           kv = Tensor::empty({count, kL}, s.dtype);
+    Tensor pe = Tensor::empty({count, kR}, s.dtype);
+    for (int i = 0; i < count; ++i) {
+      const Token& tk = s.tokens[size_t(r)][size_t(first + i)];
+      for (int c = 0; c < kN * (kP + kR); ++c)
+        store_element(q.data(), s.dtype, i * kN * (kP + kR) + c, tk.q[size_t(c)]);
+      for (int c = 0; c < kL; ++c)
+        store_element(kv.data(), s.dtype, i * kL + c, tk.kv_c[size_t(c)]);
+      for (int c = 0; c < kR; ++c)
+        store_element(pe.data(), s.dtype, i * kR + c, tk.k_pe[size_t(c)]);
+    }
+    return std::array<Tensor, 3>{q, kv, pe};
+  };
+  {
+    const StepMetadata md = MetadataBuilder(kBlock).add({0, 20, {1, 2}}).build();
+    const AttentionMetadata view = md.view();
+    const auto in = inputs(0, 0, 20);
+    Tensor out = Tensor::empty({20, kN * kV}, s.dtype);
+    ctx.begin_step({&view});
+    layer.forward(in[0].view(), in[1].view(), in[2].view(), out.view());
+    ctx.end_step();
+  }
+  const Tensor before = Tensor::copy_of(cache.view(), Device::cpu());
+  const StepMetadata md = MetadataBuilder(kBlock).add({20, 1, {1, 2}}).add({0, 7, {3}}).build();
+  const AttentionMetadata view = md.view();
+  const auto a = inputs(0, 20, 1), b = inputs(2, 0, 7);
+  Tensor q = Tensor::empty({8, kN, kP + kR}, s.dtype), kv = Tensor::empty({8, kL}, s.dtype);
+  Tensor pe = Tensor::empty({8, kR}, s.dtype);
+  copy_tensor(q.view().slice(0, 0, 1), a[0].view());
+  copy_tensor(q.view().slice(0, 1, 8), b[0].view());
+  copy_tensor(kv.view().slice(0, 0, 1), a[1].view());
+  copy_tensor(kv.view().slice(0, 1, 8), b[1].view());
+  copy_tensor(pe.view().slice(0, 0, 1), a[2].view());
+  copy_tensor(pe.view().slice(0, 1, 8), b[2].view());
+  Tensor out = Tensor::empty({8, kN * kV}, s.dtype);
+  ctx.begin_step({&view});
+  layer.forward(q.view(), kv.view(), pe.view(), out.view());
+  ctx.end_step();
+
+  MLAStepCase c;
+  c.options = o;
+  c.kv_b_proj = w.view();
+  c.latent_cache = before.view();
+  c.metadata = view;
+  c.q = q.view();
+  c.kv_c_normed = kv.view();
+  c.k_pe = pe.view();
+  const CaseCheck good = check_mla_step(c, out.view(), cache.view());
+  EXPECT_TRUE(good.pass()) << good.to_string();
+  EXPECT_EQ(good.kv_cache_elements, 4 * kBlock * kE);
+  EXPECT_EQ(good.output.got.count, 8 * kN * kV);
+
+  Tensor wrong = Tensor::copy_of(out.view(), Device::cpu());
+  store_element(wrong.data(), s.dtype, 37, load_element(wrong.data(), s.dtype, 37) + 0.05);
+  const CaseCheck bad_output = check_mla_step(c, wrong.view(), cache.view());
+  EXPECT_FALSE(bad_output.pass());
+  EXPECT_FALSE(bad_output.output.pass) << bad_output.to_string();
+
+  Tensor moved = Tensor::copy_of(cache.view(), Device::cpu());
+  store_element(moved.data(), s.dtype, 3 * kBlock * kE + 5,
+                1.0 + load_element(moved.data(), s.dtype, 3 * kBlock * kE + 5));
+  const CaseCheck bad_cache = check_mla_step(c, out.view(), moved.view());
+  EXPECT_TRUE(bad_cache.output.pass);
+  EXPECT_EQ(bad_cache.kv_cache_mismatches, 1);
+  EXPECT_FALSE(bad_cache.pass());
 }
 
 TEST(MLAAttention, ValidatesWeightsCacheAndInputs) {

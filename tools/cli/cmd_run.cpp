@@ -103,7 +103,9 @@ void add_run_command(CLI::App& app) {
       "The main job: a seeded serving simulation (continuous batching, chunked prefill, prefix "
       "caching, preemption, sliding windows) through every attention layer of a model preset, "
       "checked against the float64 reference");
-  cmd->add_option("--preset", s.preset, "model shape: " + sim::preset_names())
+  cmd->add_option("--preset", s.preset,
+                  "model shape: " + sim::preset_names() +
+                      " (deepseek-v3: MLAAttention layers, scaled down for a CPU run)")
       ->capture_default_str();
   cmd->add_option("--backend", s.backend,
                   "force a backend (default: $PAGEDATTN_BACKEND, else the registry's choice)");

@@ -52,6 +52,25 @@ const std::vector<ModelPreset>& model_presets() {
     oss.sinks = true;
     oss.sliding_window = 128;
     oss.alternating_window = true;
+    // DeepSeek-V3's MLA (spec 5.1): 128 heads, qk_nope 128, qk_rope 64, v_head 128,
+    // kv_lora_rank 512, q_lora_rank 1536; the backends see 1 KV head of 512 + 64. The softmax
+    // scale is (qk_nope + qk_rope)^-0.5 times YaRN's mscale^2, mscale = 0.1 * ln(40) + 1 for
+    // rope factor 40 (mscale_all_dim 1), as the model computes it. MLAAttention computes its
+    // projections on the host in this version, so the preset runs 4 of the 61 layers and 16 of
+    // the 128 heads: the per-head sizes, the latent cache and the kernels' shapes are the
+    // model's; the work per layer is an eighth.
+    ModelPreset& dsv3 = add("deepseek-v3",
+                            "DeepSeek-V3 (MLA, scaled to 4 of 61 layers and 16 of 128 heads): "
+                            "latent 512 + rope 64, qk_nope 128, v_head 128",
+                            4, 16, 1, 512 + 64, 163840, 129280);
+    const float mscale = 0.1f * std::log(40.0f) + 1.0f;
+    dsv3.scale = mscale * mscale / std::sqrt(float(128 + 64));
+    dsv3.mla = MLAShape{128, 64, 128, 512, 1536};
+    dsv3.model_num_layers = 61;
+    dsv3.model_num_heads = 128;
+    dsv3.scaled_down_reason =
+        "MLAAttention's projections run on the host in this version; per-head sizes, latent "
+        "cache and kernel shapes are the model's";
     ModelPreset& tiny = add("tiny", "tiny (tests): 2 layers, GQA 4/2, head 32, window 64 / full", 2,
                             4, 2, 32, 2048, 1000);
     tiny.sliding_window = 64;

@@ -54,9 +54,27 @@ std::string format_report(const SimReport& r) {
     os << head << value << "\n";
   };
   os << "pagedattn run: " << r.preset << "\n";
-  line("model", std::to_string(r.num_layers) + " layers, " + std::to_string(r.num_heads) +
-                    " q heads / " + std::to_string(r.num_kv_heads) + " kv heads, head size " +
-                    std::to_string(r.head_size) + ", " + r.dtype);
+  if (r.mla) {
+    const MLAShape& m = *r.mla;
+    line("model",
+         std::to_string(r.num_layers) + " MLAAttention layers, " + std::to_string(r.num_heads) +
+             " heads, kv_lora_rank " + std::to_string(m.kv_lora_rank) + " + qk_rope " +
+             std::to_string(m.qk_rope_head_dim) + " (the backends attend over " +
+             std::to_string(r.head_size) + "-wide latent entries, 1 kv head), qk_nope " +
+             std::to_string(m.qk_nope_head_dim) + ", v_head " + std::to_string(m.v_head_dim) +
+             (m.q_lora_rank ? ", q_lora_rank " + std::to_string(*m.q_lora_rank) : "") + ", " +
+             r.dtype);
+  } else {
+    line("model", std::to_string(r.num_layers) + " layers, " + std::to_string(r.num_heads) +
+                      " q heads / " + std::to_string(r.num_kv_heads) + " kv heads, head size " +
+                      std::to_string(r.head_size) + ", " + r.dtype);
+  }
+  if (r.model_num_layers > 0 || r.model_num_heads > 0) {
+    line("scaled down", std::to_string(r.num_layers) + " of the model's " +
+                            std::to_string(r.model_num_layers) + " layers, " +
+                            std::to_string(r.num_heads) + " of its " +
+                            std::to_string(r.model_num_heads) + " heads: " + r.scaled_down_reason);
+  }
   std::string backends;
   for (const auto& [name, count] : r.backends) {
     backends += (backends.empty() ? "" : ", ") + name + " (" + std::to_string(count) + " layers)";
@@ -75,8 +93,9 @@ std::string format_report(const SimReport& r) {
            format_bytes(double(r.kv_cache_bytes)) + " for a budget of " +
            format_bytes(double(r.kv_cache_budget)) + (r.kv_cache_budget_auto ? " (auto)" : ""));
   if (r.k_scale) {
-    line("fp8 scales",
-         "k_scale " + general(*r.k_scale) + ", v_scale " + general(*r.v_scale) + " (calibrated)");
+    line("fp8 scales", "k_scale " + general(*r.k_scale) +
+                           (r.v_scale ? ", v_scale " + general(*r.v_scale) : std::string()) +
+                           " (calibrated)");
   }
   line("scheduler", "max_num_batched_tokens " + std::to_string(r.max_num_batched_tokens) +
                         ", max_num_seqs " + std::to_string(r.max_num_seqs) + ", max_model_len " +
@@ -101,7 +120,9 @@ std::string format_report(const SimReport& r) {
   line("attention time",
        fixed(r.attention_seconds, 3) + " s (" +
            fixed(1e3 * per_second(r.attention_seconds, double(std::max<int64_t>(r.steps, 1))), 2) +
-           " ms/step); wall " + fixed(r.wall_seconds, 2) + " s, of which verification " +
+           " ms/step" +
+           (r.mla ? std::string(", MLAAttention.forward: its host projections included") : "") +
+           "); wall " + fixed(r.wall_seconds, 2) + " s, of which verification " +
            fixed(r.verify_seconds, 2) + " s");
   const double read_rate = per_second(r.kv_bytes_read, r.attention_seconds);
   std::string kv = format_bytes(r.kv_bytes_read) + " read, " + fixed(read_rate / 1e9, 2) + " GB/s";
@@ -181,11 +202,22 @@ std::string report_json(const SimReport& r) {
   const WorkloadOptions& w = r.workload;
   json j;
   j["preset"] = r.preset;
-  j["model"] = {{"num_layers", r.num_layers},
-                {"num_heads", r.num_heads},
-                {"num_kv_heads", r.num_kv_heads},
-                {"head_size", r.head_size},
-                {"dtype", r.dtype}};
+  j["model"] = {{"layer", r.layer_kind},    {"num_layers", r.num_layers},
+                {"num_heads", r.num_heads}, {"num_kv_heads", r.num_kv_heads},
+                {"head_size", r.head_size}, {"dtype", r.dtype}};
+  if (r.mla) {
+    const MLAShape& m = *r.mla;
+    j["model"]["mla"] = {{"qk_nope_head_dim", m.qk_nope_head_dim},
+                         {"qk_rope_head_dim", m.qk_rope_head_dim},
+                         {"v_head_dim", m.v_head_dim},
+                         {"kv_lora_rank", m.kv_lora_rank},
+                         {"q_lora_rank", m.q_lora_rank ? json(*m.q_lora_rank) : json()}};
+  }
+  if (r.model_num_layers > 0 || r.model_num_heads > 0) {
+    j["model"]["scaled_down"] = {{"model_num_layers", r.model_num_layers},
+                                 {"model_num_heads", r.model_num_heads},
+                                 {"reason", r.scaled_down_reason}};
+  }
   j["backends"] = backends;
   j["device"] = r.device;
   j["kv_cache"] = {{"dtype", r.kv_cache_dtype},

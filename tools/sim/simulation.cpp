@@ -14,18 +14,16 @@
 #include <tuple>
 #include <unordered_map>
 
-#include "pagedattn/case_file.h"
 #include "pagedattn/connector.h"
 #include "pagedattn/device.h"
 #include "pagedattn/error.h"
 #include "pagedattn/forward_context.h"
-#include "pagedattn/kv_cache.h"
 #include "pagedattn/kv_cache_spec.h"
-#include "pagedattn/layer.h"
 #include "pagedattn/metadata.h"
 #include "sim/bandwidth.h"
 #include "sim/presets.h"
 #include "sim/scheduler.h"
+#include "sim/sim_layer.h"
 
 namespace pagedattn::sim {
 
@@ -91,13 +89,6 @@ uint64_t row_digest(const void* data, size_t bytes) {
   return h;
 }
 
-template <class T>
-Tensor tensor_of(const std::vector<T>& values, DType dtype, const std::vector<int64_t>& shape) {
-  Tensor t = Tensor::empty(shape, dtype);
-  if (!values.empty()) std::memcpy(t.data(), values.data(), values.size() * sizeof(T));
-  return t;
-}
-
 // The blocks one verified step touches, renumbered 1..n (0 stays the null block), so that its
 // case file holds only those blocks.
 struct Compaction {
@@ -114,7 +105,7 @@ struct Compaction {
       old_ids.push_back(b);
     }
   }
-  // [n, 2, block_size, num_kv_heads, head_size] copy of the compacted blocks of `cache`.
+  // Contiguous host copy of the compacted blocks of `cache` (any tensor whose dim 0 is blocks).
   Tensor gather(const TensorView& cache) const {
     std::vector<int64_t> shape = cache.shape_vector();
     shape[0] = int64_t(old_ids.size());
@@ -148,23 +139,23 @@ class Engine {
   void record_digest(const SchedulerOutput& out, int layer, const TensorView& output);
   void write_digest() const;
   void verify_layer(int layer, const SchedulerOutput& out, const StepMetadata& md,
-                    const Compaction& compaction, const Tensor& cache_before, const TensorView& q,
-                    const TensorView& k, const TensorView& v, const TensorView& output);
+                    const Compaction& compaction, const Tensor& cache_before,
+                    const std::vector<TensorView>& inputs, const TensorView& output);
 
   const SimOptions& o_;
   const ModelPreset& preset_;
   SimReport& report_;
   int64_t max_model_len_ = 0;
   ForwardContext context_;
-  std::vector<std::unique_ptr<Attention>> layers_;
+  std::vector<std::unique_ptr<SimLayer>> layers_;
   std::vector<int> group_of_;                     // [layer] KV-cache group
   std::vector<std::vector<int>> group_layers_;    // [group] layer indices
   std::vector<std::optional<int>> group_window_;  // [group]
-  std::vector<const KVCache*> cache_of_;          // [layer]
-  std::vector<KVCache> caches_;                   // one per planned tensor
+  std::vector<const SimCache*> cache_of_;         // [layer]
+  std::vector<SimCache> caches_;                  // one per planned tensor
   KVCachePlan plan_;
   Tensor pool_;    // [pool_elements] random activations, windows of it feed every layer
-  Tensor output_;  // [max_num_batched_tokens, num_heads * head_size]
+  Tensor output_;  // [max_num_batched_tokens, the layers' output width]
   int64_t pool_slack_ = 0;
   std::unique_ptr<Scheduler> scheduler_;
   // Token-keyed activations (with a connector or a digest).
@@ -195,31 +186,7 @@ Engine::Engine(const SimOptions& options, const ModelPreset& preset, SimReport& 
 }
 
 void Engine::build_layers() {
-  CacheConfig cache;
-  cache.cache_dtype = o_.kv_cache_dtype;
-  cache.block_size = o_.block_size;
-  cache.calculate_kv_scales = is_fp8(o_.kv_cache_dtype);  // one-shot, on the first real batch
-  cache.layout = o_.kv_cache_layout;
-  for (int i = 0; i < preset_.num_layers; ++i) {
-    AttentionOptions a;
-    a.num_heads = preset_.num_heads;
-    a.num_kv_heads = preset_.num_kv_heads;
-    a.head_size = preset_.head_size;
-    a.scale = preset_.scale;
-    a.cache_config = cache;
-    a.logits_soft_cap = preset_.logits_soft_cap;
-    a.per_layer_sliding_window = preset_.sliding_window_of(i);
-    a.prefix = ModelPreset::layer_name(i);
-    if (!o_.backend.empty()) a.attn_backend = o_.backend;
-    a.dtype = o_.dtype;
-    a.device = o_.device;
-    if (preset_.sinks) {
-      // Learned per-head logits in the model; here random, fixed per seed and layer.
-      Rng rng(o_.workload.seed * 0x9e3779b97f4a7c15ull + uint64_t(i) + 1);
-      for (int h = 0; h < preset_.num_heads; ++h) a.sinks.push_back(float(1.5 * rng.normal()));
-    }
-    layers_.push_back(std::make_unique<Attention>(context_, a));
-  }
+  layers_ = make_sim_layers(preset_, o_, context_);
 }
 
 int64_t Engine::auto_budget(const std::vector<LayerCacheSpec>& specs, const SchedulerLimits& limits,
@@ -248,7 +215,7 @@ int64_t Engine::auto_budget(const std::vector<LayerCacheSpec>& specs, const Sche
 
 void Engine::plan_caches(const std::vector<WorkloadRequest>& workload) {
   std::vector<LayerCacheSpec> specs;
-  for (const auto& layer : layers_) specs.push_back({layer->name(), *layer->get_kv_cache_spec()});
+  for (const auto& layer : layers_) specs.push_back({layer->name(), layer->kv_cache_spec()});
   const SchedulerLimits limits{max_model_len_, o_.max_num_batched_tokens, 0};
   const int64_t budget =
       o_.kv_cache_memory ? *o_.kv_cache_memory : auto_budget(specs, limits, workload);
@@ -299,10 +266,9 @@ void Engine::plan_caches(const std::vector<WorkloadRequest>& workload) {
   cache_of_.assign(layers_.size(), nullptr);
   caches_.reserve(plan_.tensors.size());
   for (const KVCacheTensorPlan& t : plan_.tensors) {
-    const AttentionConfig& first = layers_[size_t(index_of.at(t.shared_by.front()))]->config();
-    caches_.push_back(KVCache::allocate(plan_.num_blocks, first.block_size, first.num_kv_heads,
-                                        first.head_size, first.cache_dtype(), o_.kv_cache_layout,
-                                        o_.device));
+    const SimLayer& owner = *layers_[size_t(index_of.at(t.shared_by.front()))];
+    const AttentionConfig& first = owner.config();
+    caches_.push_back(owner.allocate_cache(plan_.num_blocks));
     report_.kv_cache_bytes += t.size_bytes;
     for (const std::string& name : t.shared_by) {
       const int i = index_of.at(name);
@@ -311,7 +277,7 @@ void Engine::plan_caches(const std::vector<WorkloadRequest>& workload) {
                   c.cache_dtype() == first.cache_dtype(),
               "layers ", t.shared_by.front(), " and ", name,
               " share a cache tensor but differ in cache geometry");
-      layers_[size_t(i)]->bind_kv_cache({caches_.back().view()}, group_of_[size_t(i)]);
+      layers_[size_t(i)]->bind_cache(caches_.back(), group_of_[size_t(i)]);
       cache_of_[size_t(i)] = &caches_.back();
     }
   }
@@ -320,7 +286,11 @@ void Engine::plan_caches(const std::vector<WorkloadRequest>& workload) {
 }
 
 void Engine::make_activation_pool() {
-  const int64_t row = int64_t(preset_.num_heads) * preset_.head_size;
+  // Every input and output row of the step fits in the pool at any offset up to the slack.
+  const SimLayer& layer = *layers_.front();
+  const std::vector<int64_t> widths = layer.input_widths();
+  const int64_t row =
+      std::max(layer.output_width(), *std::max_element(widths.begin(), widths.end()));
   pool_slack_ = int64_t(1) << 20;
   const int64_t n = int64_t(o_.max_num_batched_tokens) * row + pool_slack_;
   Tensor host = Tensor::empty({n}, o_.dtype);
@@ -331,13 +301,13 @@ void Engine::make_activation_pool() {
     store_element(host.data(), o_.dtype, i, x);
   }
   pool_ = o_.device.is_cpu() ? host : Tensor::copy_of(host.view(), o_.device);
-  output_ = Tensor::empty({int64_t(o_.max_num_batched_tokens), row}, o_.dtype, o_.device);
+  output_ = Tensor::empty({int64_t(o_.max_num_batched_tokens), layer.output_width()}, o_.dtype,
+                          o_.device);
   keyed_ = !o_.kv_connector.empty() || !o_.digest_file.empty();
   if (keyed_) {
     pool_host_ = host;
     const int64_t t = o_.max_num_batched_tokens;
-    for (const int64_t cols : {row, int64_t(preset_.num_kv_heads) * preset_.head_size,
-                               int64_t(preset_.num_kv_heads) * preset_.head_size}) {
+    for (const int64_t cols : widths) {
       keyed_host_.push_back(Tensor::empty({t, cols}, o_.dtype));
       if (!o_.device.is_cpu())
         keyed_device_.push_back(Tensor::empty({t, cols}, o_.dtype, o_.device));
@@ -421,6 +391,9 @@ void Engine::make_connector() {
             " needs a KV connector (--connector storage:/dir or redis://host:port)");
     return;
   }
+  require<NotSupported>(!preset_.mla, "--connector: preset ", preset_.name,
+                        " runs MLAAttention layers, which have no KV-connector hooks in this "
+                        "version");
   KVConnectorConfig c = parse_kv_connector_spec(o_.kv_connector);
   c.kv_role = o_.role;
   // The sim's "weights" are its seed: K/V of a token depend on it.
@@ -454,42 +427,30 @@ TensorView Engine::activation(uint64_t salt, int64_t rows, int64_t cols) const {
 
 void Engine::verify_layer(int layer, const SchedulerOutput& out, const StepMetadata& md,
                           const Compaction& compaction, const Tensor& cache_before,
-                          const TensorView& q, const TensorView& k, const TensorView& v,
-                          const TensorView& output) {
-  const Attention& l = *layers_[size_t(layer)];
-  const int hq = preset_.num_heads, hk = preset_.num_kv_heads, d = preset_.head_size;
-  const int64_t t = q.size(0);
+                          const std::vector<TensorView>& inputs, const TensorView& output) {
+  const SimLayer& l = *layers_[size_t(layer)];
+  const int64_t t = inputs.front().size(0);
   const int bs = o_.block_size;
-  // The case holds the step exactly as the backend saw it, except that the cache keeps only the
-  // blocks the step's block tables name (renumbered by Compaction), so case files stay small.
-  Case c;
-  c.config = l.config();
-  c.config.kv_cache_layout = KVCacheLayout::kNHD;  // the case's cache is a contiguous copy
-  c.scales = l.kv_scales();
-  c.query = Tensor::copy_of(q.reshape({t, hq, d}), Device::cpu());
-  c.key = Tensor::copy_of(k.reshape({t, hk, d}), Device::cpu());
-  c.value = Tensor::copy_of(v.reshape({t, hk, d}), Device::cpu());
-  c.kv_cache = cache_before;
-  std::vector<int32_t> table = md.block_table;
-  for (int32_t& b : table) {
+  // The step exactly as the backend saw it, except that the cache keeps only the blocks the
+  // step's block tables name (renumbered by Compaction), so saved cases stay small.
+  StepMetadata compacted = md;
+  for (int32_t& b : compacted.block_table) {
     // Entries past a request's blocks are padding that no kernel reads: point them at block 0.
     const auto it = compaction.new_id.find(b);
     b = it == compaction.new_id.end() ? kNullBlock : it->second;
   }
-  std::vector<int64_t> slots = md.slot_mapping;
-  for (int64_t& s : slots) {
+  for (int64_t& s : compacted.slot_mapping) {
     if (s >= 0) s = int64_t(compaction.new_id.at(int32_t(s / bs))) * bs + s % bs;
   }
-  const int64_t num_seqs = int64_t(md.seq_lens.size());
-  c.block_table = tensor_of(table, DType::kI32, {num_seqs, int64_t(md.max_blocks_per_seq)});
-  c.seq_lens = tensor_of(md.seq_lens, DType::kI32, {num_seqs});
-  c.query_start_loc = tensor_of(md.query_start_loc, DType::kI32, {num_seqs + 1});
-  c.slot_mapping = tensor_of(slots, DType::kI64, {int64_t(slots.size())});
-
-  CaseResult result;
-  result.output = Tensor::copy_of(output, Device::cpu());
-  result.kv_cache = compaction.gather(cache_of_[size_t(layer)]->tensor());
-  const CaseCheck check = check_case(c, result);
+  StepRecord record;
+  record.metadata = &compacted;
+  record.cache_before = cache_before;
+  record.cache_after = compaction.gather(cache_of_[size_t(layer)]->view);
+  record.inputs = inputs;
+  record.output = output;
+  const std::string base = cat(o_.failure_dir, "/pagedattn-run-step", step_, "-layer", layer);
+  const LayerCheck result = l.verify(record, base);
+  const CaseCheck& check = result.check;
   ++report_.layer_checks;
   const double ratio = check.output.budget() > 0 ? check.output.got.max_abs / check.output.budget()
                                                  : check.output.got.max_abs;
@@ -499,18 +460,18 @@ void Engine::verify_layer(int layer, const SchedulerOutput& out, const StepMetad
   }
   if (check.pass()) return;
   ++report_.failed_checks;
-  const std::string base =
-      cat(o_.failure_dir, "/pagedattn-run-step", step_, "-layer", layer, ".safetensors");
-  save_case(base, c);
-  save_case_result(cat(base.substr(0, base.size() - 12), ".result.safetensors"), c, result,
-                   l.backend().name());
-  report_.failure_files.push_back(base);
+  if (!result.saved_case.empty()) report_.failure_files.push_back(result.saved_case);
   if (o_.log) {
     *o_.log << "verification FAILED: step " << step_ << ", layer " << l.name() << " (backend "
             << l.backend().name() << "), " << out.requests.size() << " requests, " << t
             << " tokens\n"
-            << check.to_string() << "case saved to " << base << " (replay: pagedattn compute "
-            << base << " --check)\n";
+            << check.to_string();
+    if (result.saved_case.empty()) {
+      *o_.log << "(this layer kind has no case-file format: the step is not saved)\n";
+    } else {
+      *o_.log << "case saved to " << result.saved_case << " (replay: pagedattn compute "
+              << result.saved_case << " --check)\n";
+    }
   }
 }
 
@@ -551,7 +512,8 @@ void Engine::run_step(const SchedulerOutput& out) {
       for (int j = 0; j < n; ++j) {
         const size_t pick = size_t(report_.verified_steps * o_.verify_layers + j) % members.size();
         check_layer[size_t(members[pick])] = 1;
-        work += pairs[size_t(g)] * preset_.num_heads * preset_.head_size;
+        const AttentionConfig& c = layers_[size_t(members[pick])]->config();
+        work += pairs[size_t(g)] * c.num_heads * c.head_size;
       }
     }
     if (work > o_.verify_max_work) {
@@ -563,7 +525,6 @@ void Engine::run_step(const SchedulerOutput& out) {
     }
   }
 
-  const int64_t hq = preset_.num_heads, hk = preset_.num_kv_heads, d = preset_.head_size;
   const TensorView output = output_.view().slice(0, 0, t);
   DeviceRuntime& runtime = require_device(o_.device);
   context_.begin_step(per_group);
@@ -571,41 +532,43 @@ void Engine::run_step(const SchedulerOutput& out) {
     const uint64_t salt =
         o_.workload.seed * 0x2545f4914f6cdd1dull + uint64_t(step_) * 1000003u + uint64_t(i) * 3u;
     const int layer = int(i);
-    const TensorView q =
-        keyed_ ? keyed_activation(out, layer, 0, hq * d) : activation(salt, t, hq * d);
-    const TensorView k =
-        keyed_ ? keyed_activation(out, layer, 1, hk * d) : activation(salt + 1, t, hk * d);
-    const TensorView v =
-        keyed_ ? keyed_activation(out, layer, 2, hk * d) : activation(salt + 2, t, hk * d);
+    SimLayer& l = *layers_[i];
+    // Attention: query, key, value; MLA: q, kv_c_normed, k_pe.
+    std::vector<TensorView> inputs;
+    const std::vector<int64_t> widths = l.input_widths();
+    for (int which = 0; which < int(widths.size()); ++which) {
+      const int64_t cols = widths[size_t(which)];
+      inputs.push_back(keyed_ ? keyed_activation(out, layer, which, cols)
+                              : activation(salt + uint64_t(which), t, cols));
+    }
     const int g = group_of_[i];
     std::optional<Compaction> compaction;
     Tensor before;
     if (check_layer[i]) {
       // The snapshot must hold the blocks a connector loads for this layer.
-      if (KVConnector* c = context_.active_kv_connector())
-        c->wait_for_layer_load(layers_[i]->name());
+      if (KVConnector* c = context_.active_kv_connector()) c->wait_for_layer_load(l.name());
       const auto t0 = Clock::now();
       std::vector<int32_t> used;
       for (const ScheduledRequest& s : out.requests) {
         used.insert(used.end(), s.block_ids[size_t(g)].begin(), s.block_ids[size_t(g)].end());
       }
       compaction.emplace(used);
-      before = compaction->gather(cache_of_[i]->tensor());
+      before = compaction->gather(cache_of_[i]->view);
       report_.verify_seconds += seconds_since(t0);
     }
     const auto t0 = Clock::now();
-    layers_[i]->forward(q, k, v, output);
+    l.forward(inputs, output);
     runtime.synchronize(o_.device.index);  // a no-op on the CPU
     report_.attention_seconds += seconds_since(t0);
     if (!o_.digest_file.empty()) record_digest(out, layer, output);
     if (check_layer[i]) {
       const auto t1 = Clock::now();
-      verify_layer(int(i), out, steps[size_t(g)], *compaction, before, q, k, v, output);
+      verify_layer(int(i), out, steps[size_t(g)], *compaction, before, inputs, output);
       report_.verify_seconds += seconds_since(t1);
     }
-    const double elem = double(dtype_size(layers_[i]->config().cache_dtype()));
-    report_.kv_bytes_read += double(keys[size_t(g)]) * double(hk * d) * 2.0 * elem;
-    report_.attention_flops += 4.0 * double(pairs[size_t(g)]) * double(hq * d);
+    const AttentionConfig& c = l.config();
+    report_.kv_bytes_read += double(keys[size_t(g)]) * l.bytes_per_key();
+    report_.attention_flops += 4.0 * double(pairs[size_t(g)]) * double(c.num_heads * c.head_size);
   }
   context_.end_step();
 }
@@ -704,7 +667,7 @@ void Engine::run(const std::vector<WorkloadRequest>& workload) {
   }
   if (is_fp8(o_.kv_cache_dtype)) {
     report_.k_scale = layers_.front()->k_scale();
-    report_.v_scale = layers_.front()->v_scale();
+    report_.v_scale = layers_.front()->v_scale();  // unset for MLA: the latent has one scale
   }
   std::map<std::string, int> backends;
   for (const auto& l : layers_) ++backends[std::string(l->backend().name())];
@@ -718,6 +681,11 @@ SimReport run_simulation(const SimOptions& options) {
   const ModelPreset& preset = find_preset(options.preset);
   SimReport report;
   report.preset = preset.name;
+  report.layer_kind = preset.mla ? "MLAAttention" : "Attention";
+  report.mla = preset.mla;
+  report.model_num_layers = preset.model_num_layers;
+  report.model_num_heads = preset.model_num_heads;
+  report.scaled_down_reason = preset.scaled_down_reason;
   report.num_layers = preset.num_layers;
   report.num_heads = preset.num_heads;
   report.num_kv_heads = preset.num_kv_heads;

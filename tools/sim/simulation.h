@@ -1,6 +1,7 @@
-// The serving simulation behind `pagedattn run`: a preset's attention layers, their paged KV
-// caches planned for a memory budget, a seeded request stream driven through the scheduler,
-// every layer run on every step with random Q/K/V, timing, and checks against the float64
+// The serving simulation behind `pagedattn run`: a preset's attention layers (Attention, or
+// MLAAttention for an MLA preset; sim_layer.h), their paged KV caches planned for a memory
+// budget, a seeded request stream driven through the scheduler, every layer run on every step
+// with random inputs (Q/K/V, or q/kv_c_normed/k_pe), timing, and checks against the float64
 // reference. With a KV connector (or a digest file) each token's Q/K/V rows are a function of
 // the seed, the token's prefix and the layer, as in a real model: K/V saved by one instance
 // are then exactly what another would compute (disaggregated prefill, docs/connector.md).
@@ -18,6 +19,7 @@
 #include "pagedattn/connector.h"
 #include "pagedattn/device.h"
 #include "pagedattn/dtype.h"
+#include "sim/presets.h"
 #include "sim/workload.h"
 
 namespace pagedattn::sim {
@@ -95,7 +97,13 @@ struct WorstCheck {
 struct SimReport {
   // Model and engine.
   std::string preset;
+  std::string layer_kind = "Attention";  ///< "Attention" or "MLAAttention"
+  /// What the backends see: for MLA, num_kv_heads 1 and head_size L + R (the latent entry).
   int num_layers = 0, num_heads = 0, num_kv_heads = 0, head_size = 0;
+  std::optional<MLAShape> mla;  ///< MLA presets: the latent sizes
+  /// The real model's layers and heads when the preset runs fewer (0 = the same), and why.
+  int model_num_layers = 0, model_num_heads = 0;
+  std::string scaled_down_reason;
   std::string dtype, kv_cache_dtype, kv_cache_storage_dtype, kv_cache_layout;
   std::vector<std::pair<std::string, int>> backends;  ///< backend name, layers using it
   int block_size = 0;
@@ -107,7 +115,7 @@ struct SimReport {
   int64_t kv_cache_bytes = 0;   ///< all tensors
   int64_t kv_cache_budget = 0;  ///< bytes asked for (or chosen by "auto")
   bool kv_cache_budget_auto = false;
-  std::optional<float> k_scale, v_scale;  ///< calibrated fp8 scales of layer 0
+  std::optional<float> k_scale, v_scale;  ///< calibrated fp8 scales of layer 0 (MLA: k only)
 
   // Workload.
   WorkloadOptions workload;
@@ -124,9 +132,9 @@ struct SimReport {
   int64_t lookup_tokens = 0, prefix_hit_tokens = 0;
   int64_t peak_blocks_used = 0, usable_blocks = 0;
   int64_t window_blocks_released = 0, evictions = 0;
-  double attention_seconds = 0;  ///< sum of the layer forward calls
+  double attention_seconds = 0;  ///< sum of the layer forward calls (MLA: projections included)
   double wall_seconds = 0;       ///< the whole run, verification included
-  double kv_bytes_read = 0;      ///< K and V bytes each step reads once, over every layer
+  double kv_bytes_read = 0;      ///< K and V (MLA: latent) bytes each step reads once, all layers
   double attention_flops = 0;    ///< 4 * (query, visible key) pairs * num_heads * head_size
   std::string device;            ///< "cpu", "cuda:0"
   std::optional<double> machine_read_bandwidth;  ///< bytes per second, see bandwidth_method
