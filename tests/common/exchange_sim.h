@@ -63,6 +63,54 @@ inline TensorView strided_rows(const Tensor& buffer, int64_t a, int64_t b) {
   return v;
 }
 
+/// One rank's side of a DCP exchange with the tensors it owns: its host partial (`out`
+/// [T, H, D], `lse` float32 [H, T]) copied to `device` as `placement` says, an output of
+/// `out_dtype` (the partial itself for kContiguous when the dtypes agree), an output LSE, and a
+/// workspace filled with NaN garbage (every byte the merge reads must come from a gather).
+struct DcpRank {
+  Tensor workspace, partial, lse, output, output_lse;
+  DcpExchangeArgs args;
+};
+
+inline DcpRank make_dcp_rank(int rank, int world, const Tensor& out, const Tensor& lse,
+                             DType out_dtype, Placement placement, Device device) {
+  const TensorView p = out.view();
+  const int64_t t = p.size(0), h = p.size(1), d = p.size(2);
+  const auto layout = DcpExchangeLayout::of(world, t, int(h), int(d), p.dtype);
+  DcpRank k;
+  k.workspace = Tensor::empty({std::max<int64_t>(int64_t(layout.bytes), 1)}, DType::kU8, device);
+  require_device(device).memset(k.workspace.data(), 0xff, layout.bytes, device.index);
+  DcpExchangeArgs& a = k.args;
+  a.rank = rank;
+  a.world = world;
+  if (placement == Placement::kInSlot) {
+    a.partial_output = layout.output_slot(k.workspace.data(), rank, device);
+    a.partial_lse = layout.lse_slot(k.workspace.data(), rank, device);
+  } else if (placement == Placement::kContiguous) {
+    k.partial = Tensor::empty({t, h, d}, p.dtype, device);
+    k.lse = Tensor::empty({h, t}, DType::kF32, device);
+    a.partial_output = k.partial.view();
+    a.partial_lse = k.lse.view();
+  } else {
+    k.partial = Tensor::empty({t, h * d + 24}, p.dtype, device);
+    k.lse = Tensor::empty({h, t + 5}, DType::kF32, device);
+    a.partial_output = strided_rows(k.partial, h, d);
+    a.partial_lse = k.lse.view().slice(1, 0, t);
+  }
+  copy_tensor(a.partial_output, p);
+  copy_tensor(a.partial_lse, lse.view());
+  if (placement == Placement::kContiguous && out_dtype == p.dtype) {
+    a.output = a.partial_output;  // the merge reads the workspace only
+  } else {
+    k.output = Tensor::empty({t, h, d}, out_dtype, device);
+    a.output = k.output.view();
+  }
+  k.output_lse = Tensor::empty({h, t}, DType::kF32, device);
+  a.output_lse = k.output_lse.view();
+  a.workspace = {k.workspace.data(), layout.bytes};
+  return k;
+}
+
 /// Each rank's merged (output [T, H, D] of `out_dtype`, LSE [H, T]) on the host, after a DCP
 /// exchange of the ranks' host partials (`outs[r]` [T, H, D], `lses[r]` float32 [H, T]) on
 /// `device`, placed as `placement` says, the all-gathers simulated.
@@ -70,52 +118,16 @@ inline std::vector<std::pair<Tensor, Tensor>> run_dcp_exchange_sim(
     const Backend& backend, const std::vector<Tensor>& outs, const std::vector<Tensor>& lses,
     DType out_dtype, Placement placement, Device device) {
   const int world = int(outs.size());
-  const TensorView p0 = outs[0].view();
-  const int64_t t = p0.size(0), h = p0.size(1), d = p0.size(2);
-  const auto layout = DcpExchangeLayout::of(world, t, int(h), int(d), p0.dtype);
-  struct Rank {
-    Tensor ws, partial, lse, output, output_lse;
-    DcpExchangeArgs args;
-  };
-  std::vector<Rank> ranks(outs.size());
+  std::vector<DcpRank> ranks;
   std::vector<ExchangeGathers> gathers;
   for (int r = 0; r < world; ++r) {
-    Rank& k = ranks[size_t(r)];
-    k.ws = Tensor::empty({int64_t(layout.bytes)}, DType::kU8, device);
-    require_device(device).memset(k.ws.data(), 0xff, layout.bytes, device.index);  // NaN garbage
-    DcpExchangeArgs& a = k.args;
-    a.rank = r;
-    a.world = world;
-    if (placement == Placement::kInSlot) {
-      a.partial_output = layout.output_slot(k.ws.data(), r, device);
-      a.partial_lse = layout.lse_slot(k.ws.data(), r, device);
-    } else if (placement == Placement::kContiguous) {
-      k.partial = Tensor::empty({t, h, d}, p0.dtype, device);
-      k.lse = Tensor::empty({h, t}, DType::kF32, device);
-      a.partial_output = k.partial.view();
-      a.partial_lse = k.lse.view();
-    } else {
-      k.partial = Tensor::empty({t, h * d + 24}, p0.dtype, device);
-      k.lse = Tensor::empty({h, t + 5}, DType::kF32, device);
-      a.partial_output = strided_rows(k.partial, h, d);
-      a.partial_lse = k.lse.view().slice(1, 0, t);
-    }
-    copy_tensor(a.partial_output, outs[size_t(r)].view());
-    copy_tensor(a.partial_lse, lses[size_t(r)].view());
-    if (placement == Placement::kContiguous && out_dtype == p0.dtype) {
-      a.output = a.partial_output;  // the merge reads the workspace only
-    } else {
-      k.output = Tensor::empty({t, h, d}, out_dtype, device);
-      a.output = k.output.view();
-    }
-    k.output_lse = Tensor::empty({h, t}, DType::kF32, device);
-    a.output_lse = k.output_lse.view();
-    a.workspace = {k.ws.data(), layout.bytes};
-    gathers.push_back(dcp_exchange_begin(a));
+    ranks.push_back(
+        make_dcp_rank(r, world, outs[size_t(r)], lses[size_t(r)], out_dtype, placement, device));
+    gathers.push_back(dcp_exchange_begin(ranks.back().args));
   }
   simulate_all_gathers(gathers, device);
   std::vector<std::pair<Tensor, Tensor>> result;
-  for (Rank& k : ranks) {
+  for (DcpRank& k : ranks) {
     dcp_exchange_end(backend, k.args);
     require_device(device).synchronize(device.index);
     result.emplace_back(Tensor::copy_of(k.args.output, Device::cpu()),
@@ -124,63 +136,95 @@ inline std::vector<std::pair<Tensor, Tensor>> run_dcp_exchange_sim(
   return result;
 }
 
+/// One rank's side of a TP exchange with the tensors it owns: its host result (`out`
+/// [T, Hr, D], `lse` float32 [Hr, T]) copied to `device` as `placement` says (kStrided: its
+/// columns of its output and its rows of its LSE), output and LSE garbage (NaN) elsewhere.
+struct TpRank {
+  Tensor workspace, mine, mine_lse, output, lse;
+  TpExchangeArgs args;
+};
+
+inline TpRank make_tp_rank(int rank, int world, const Tensor& out, const Tensor& lse,
+                           Placement placement, Device device) {
+  const TensorView p = out.view();
+  const int64_t t = p.size(0), hr = p.size(1), d = p.size(2);
+  const auto layout = TpExchangeLayout::of(world, t, int(hr), int(d), p.dtype);
+  TpRank k;
+  k.workspace = Tensor::empty({std::max<int64_t>(int64_t(layout.bytes), 1)}, DType::kU8, device);
+  k.output = Tensor::empty({t, hr * world, d}, p.dtype, device);
+  k.lse = Tensor::empty({hr * world, t}, DType::kF32, device);
+  require_device(device).memset(k.output.data(), 0xff, k.output.view().nbytes(), device.index);
+  require_device(device).memset(k.lse.data(), 0xff, k.lse.view().nbytes(), device.index);
+  TpExchangeArgs& a = k.args;
+  a.rank = rank;
+  a.world = world;
+  a.output = k.output.view();
+  a.lse = k.lse.view();
+  const TensorView own_lse_rows = k.lse.view().slice(0, rank * hr, (rank + 1) * hr);
+  if (placement == Placement::kInSlot) {
+    a.rank_output = layout.output_slot(k.workspace.data(), rank, device);
+    a.rank_lse = own_lse_rows;
+  } else if (placement == Placement::kContiguous) {
+    k.mine = Tensor::empty({t, hr, d}, p.dtype, device);
+    k.mine_lse = Tensor::empty({hr, t}, DType::kF32, device);
+    a.rank_output = k.mine.view();
+    a.rank_lse = k.mine_lse.view();
+  } else {
+    a.rank_output = k.output.view().slice(1, rank * hr, (rank + 1) * hr);
+    a.rank_lse = own_lse_rows;
+  }
+  copy_tensor(a.rank_output, p);
+  copy_tensor(a.rank_lse, lse.view());
+  a.workspace = {k.workspace.data(), layout.bytes};
+  return k;
+}
+
 /// Each rank's gathered (output [T, world * Hr, D], LSE [world * Hr, T]) on the host, after a
 /// TP exchange of the ranks' host results (`outs[r]` [T, Hr, D], `lses[r]` float32 [Hr, T])
-/// on `device`, placed as `placement` says (kStrided: the rank's columns of its output, its
-/// LSE rows of its LSE), every other byte of the outputs garbage first.
+/// on `device`, placed as `placement` says, the all-gathers simulated.
 inline std::vector<std::pair<Tensor, Tensor>> run_tp_exchange_sim(const std::vector<Tensor>& outs,
                                                                   const std::vector<Tensor>& lses,
                                                                   Placement placement,
                                                                   Device device) {
   const int world = int(outs.size());
-  const TensorView p0 = outs[0].view();
-  const int64_t t = p0.size(0), hr = p0.size(1), d = p0.size(2);
-  const auto layout = TpExchangeLayout::of(world, t, int(hr), int(d), p0.dtype);
-  struct Rank {
-    Tensor ws, mine, mine_lse, output, lse;
-    TpExchangeArgs args;
-  };
-  std::vector<Rank> ranks(outs.size());
+  std::vector<TpRank> ranks;
   std::vector<ExchangeGathers> gathers;
   for (int r = 0; r < world; ++r) {
-    Rank& k = ranks[size_t(r)];
-    k.ws = Tensor::empty({std::max<int64_t>(int64_t(layout.bytes), 1)}, DType::kU8, device);
-    k.output = Tensor::empty({t, hr * world, d}, p0.dtype, device);
-    k.lse = Tensor::empty({hr * world, t}, DType::kF32, device);
-    require_device(device).memset(k.output.data(), 0xff, k.output.view().nbytes(), device.index);
-    require_device(device).memset(k.lse.data(), 0xff, k.lse.view().nbytes(), device.index);
-    TpExchangeArgs& a = k.args;
-    a.rank = r;
-    a.world = world;
-    a.output = k.output.view();
-    a.lse = k.lse.view();
-    const TensorView own_lse_rows = k.lse.view().slice(0, r * hr, (r + 1) * hr);
-    if (placement == Placement::kInSlot) {
-      a.rank_output = layout.output_slot(k.ws.data(), r, device);
-      a.rank_lse = own_lse_rows;
-    } else if (placement == Placement::kContiguous) {
-      k.mine = Tensor::empty({t, hr, d}, p0.dtype, device);
-      k.mine_lse = Tensor::empty({hr, t}, DType::kF32, device);
-      a.rank_output = k.mine.view();
-      a.rank_lse = k.mine_lse.view();
-    } else {
-      a.rank_output = k.output.view().slice(1, r * hr, (r + 1) * hr);
-      a.rank_lse = own_lse_rows;
-    }
-    copy_tensor(a.rank_output, outs[size_t(r)].view());
-    copy_tensor(a.rank_lse, lses[size_t(r)].view());
-    a.workspace = {k.ws.data(), layout.bytes};
-    gathers.push_back(tp_exchange_begin(a));
+    ranks.push_back(make_tp_rank(r, world, outs[size_t(r)], lses[size_t(r)], placement, device));
+    gathers.push_back(tp_exchange_begin(ranks.back().args));
   }
   simulate_all_gathers(gathers, device);
   std::vector<std::pair<Tensor, Tensor>> result;
-  for (Rank& k : ranks) {
+  for (TpRank& k : ranks) {
     tp_exchange_end(k.args);
     require_device(device).synchronize(device.index);
     result.emplace_back(Tensor::copy_of(k.output.view(), Device::cpu()),
                         Tensor::copy_of(k.lse.view(), Device::cpu()));
   }
   return result;
+}
+
+/// Garbage (0xff bytes: NaN) in everything a DCP exchange writes (output, workspace), then the
+/// rank's own partial (`out`, `lse`) put back where its placement keeps it: a replay of the
+/// exchange must produce every byte again.
+inline void reset_dcp_rank(DcpRank& k, const Tensor& out, const Tensor& lse) {
+  const DcpExchangeArgs& a = k.args;
+  DeviceRuntime& rt = require_device(a.output.device);
+  rt.memset(a.output.data, 0xff, a.output.nbytes(), a.output.device.index);
+  rt.memset(a.workspace.data, 0xff, a.workspace.bytes, a.output.device.index);
+  copy_tensor(a.partial_output, out.view());
+  copy_tensor(a.partial_lse, lse.view());
+}
+
+/// The same for a TP exchange (output, LSE and workspace garbage; the rank's own result back).
+inline void reset_tp_rank(TpRank& k, const Tensor& out, const Tensor& lse) {
+  const TpExchangeArgs& a = k.args;
+  DeviceRuntime& rt = require_device(a.output.device);
+  rt.memset(a.output.data, 0xff, a.output.nbytes(), a.output.device.index);
+  rt.memset(a.lse.data, 0xff, a.lse.nbytes(), a.output.device.index);
+  rt.memset(a.workspace.data, 0xff, a.workspace.bytes, a.output.device.index);
+  copy_tensor(a.rank_output, out.view());
+  copy_tensor(a.rank_lse, lse.view());
 }
 
 /// The oracle of a rank-order merge: float64 [T, H, D] and [H, T] from host partials

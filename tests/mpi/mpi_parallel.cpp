@@ -74,10 +74,10 @@ void tp_gather(const bo::OpCase& k, const RankShare& s, Tensor& out, Tensor& lse
 }
 
 // Every rank's (output, LSE) merged in rank order in float32 (Backend::merge_ranks), the result
-// rounded once to `dtype` (as an engine hands it on). The ranks write float32 partial outputs:
-// each partial rounded to bfloat16 adds about one rounding to the result, which sits at the
-// accuracy rule's limit (2 ranks, --activation-partials: up to 1.00 of the allowed error;
-// merging in bfloat16 as well: up to 3.5 times the naive error at 4 ranks, past the rule's 2).
+// rounded once to `dtype` (as an engine hands it on). The ranks write float32 partial outputs
+// unless --activation-partials: each partial rounded to bfloat16 adds about one rounding, up to
+// 1.00 of the single-rank allowance at 2 ranks, hence the DCP budget of add_dcp_naive
+// (docs/parallel.md, Precision).
 void dcp_merge(const Backend& backend, const Tensor& partial, const Tensor& partial_lse,
                DType dtype, Tensor& out, Tensor& lse) {
   const TensorView mine = partial.view();
