@@ -46,8 +46,17 @@ fi
 for b in "$backend_ops" "$cuda_tests" "$bench" "$bench_prefill"; do
   [ -x "$b" ] || say "missing $b (build with the cuda-h200 preset here and carry it)"
 done
-# libnccl.so.2 for the NCCL binaries: NCCL_LIB_DIR, else the python3's nvidia-nccl wheel.
-nccl_lib="${NCCL_LIB_DIR:-$(python3 -c 'import nvidia.nccl as n, os; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null)}"
+# libnccl.so.2 for the NCCL binaries: NCCL_LIB_DIR, else the python3's nvidia-nccl wheel (PyTorch's),
+# else the system's (ldconfig).
+nccl_lib="${NCCL_LIB_DIR:-}"
+if [ -z "$nccl_lib" ]; then
+  wheel="$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null)"
+  [ -n "$wheel" ] && [ -e "$wheel/lib/libnccl.so.2" ] && nccl_lib="$wheel/lib"
+fi
+if [ -z "$nccl_lib" ]; then
+  sys_nccl="$(ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 / {print $NF; exit}')"
+  [ -n "$sys_nccl" ] && nccl_lib="$(dirname "$sys_nccl")"
+fi
 nccl_why=""
 if [ ! -x "$nccl_tests" ] || [ ! -x "$bench_dcp" ]; then
   nccl_why="pagedattn_nccl_tests / bench_dcp not carried (built only where CMake found NCCL)"

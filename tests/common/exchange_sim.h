@@ -40,6 +40,22 @@ inline void simulate_all_gathers(const std::vector<ExchangeGathers>& gathers, De
   }
 }
 
+/// Copies host or device `src` into `dst` whose rows (dimension 0) hold contiguous elements
+/// with any row pitch: copy_tensor cannot write strided device views, so a device destination
+/// gets its rows by one 2-D copy from a contiguous device copy of `src`.
+inline void copy_rows(const TensorView& dst, const TensorView& src) {
+  if (dst.device.is_cpu() || dst.is_contiguous() || dst.numel() == 0) {
+    copy_tensor(dst, src);
+    return;
+  }
+  const Tensor staged = Tensor::copy_of(src, dst.device);
+  const size_t row = dst.nbytes() / size_t(dst.size(0));
+  DeviceRuntime& rt = require_device(dst.device);
+  rt.copy_2d_async(dst.data, size_t(dst.stride(0)) * dtype_size(dst.dtype), staged.data(), row, row,
+                   size_t(dst.size(0)), dst.device.index, {});
+  rt.synchronize(dst.device.index);
+}
+
 /// Where a rank's result sits when its exchange begins.
 enum class Placement {
   kInSlot,      ///< already in its workspace slot (in-place all-gather)
@@ -97,8 +113,8 @@ inline DcpRank make_dcp_rank(int rank, int world, const Tensor& out, const Tenso
     a.partial_output = strided_rows(k.partial, h, d);
     a.partial_lse = k.lse.view().slice(1, 0, t);
   }
-  copy_tensor(a.partial_output, p);
-  copy_tensor(a.partial_lse, lse.view());
+  copy_rows(a.partial_output, p);
+  copy_rows(a.partial_lse, lse.view());
   if (placement == Placement::kContiguous && out_dtype == p.dtype) {
     a.output = a.partial_output;  // the merge reads the workspace only
   } else {
@@ -173,8 +189,8 @@ inline TpRank make_tp_rank(int rank, int world, const Tensor& out, const Tensor&
     a.rank_output = k.output.view().slice(1, rank * hr, (rank + 1) * hr);
     a.rank_lse = own_lse_rows;
   }
-  copy_tensor(a.rank_output, p);
-  copy_tensor(a.rank_lse, lse.view());
+  copy_rows(a.rank_output, p);
+  copy_rows(a.rank_lse, lse.view());
   a.workspace = {k.workspace.data(), layout.bytes};
   return k;
 }
@@ -212,8 +228,8 @@ inline void reset_dcp_rank(DcpRank& k, const Tensor& out, const Tensor& lse) {
   DeviceRuntime& rt = require_device(a.output.device);
   rt.memset(a.output.data, 0xff, a.output.nbytes(), a.output.device.index);
   rt.memset(a.workspace.data, 0xff, a.workspace.bytes, a.output.device.index);
-  copy_tensor(a.partial_output, out.view());
-  copy_tensor(a.partial_lse, lse.view());
+  copy_rows(a.partial_output, out.view());
+  copy_rows(a.partial_lse, lse.view());
 }
 
 /// The same for a TP exchange (output, LSE and workspace garbage; the rank's own result back).
@@ -223,8 +239,8 @@ inline void reset_tp_rank(TpRank& k, const Tensor& out, const Tensor& lse) {
   rt.memset(a.output.data, 0xff, a.output.nbytes(), a.output.device.index);
   rt.memset(a.lse.data, 0xff, a.lse.nbytes(), a.output.device.index);
   rt.memset(a.workspace.data, 0xff, a.workspace.bytes, a.output.device.index);
-  copy_tensor(a.rank_output, out.view());
-  copy_tensor(a.rank_lse, lse.view());
+  copy_rows(a.rank_output, out.view());
+  copy_rows(a.rank_lse, lse.view());
 }
 
 /// The oracle of a rank-order merge: float64 [T, H, D] and [H, T] from host partials
