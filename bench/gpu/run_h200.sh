@@ -14,8 +14,12 @@
 # build/cuda-h200/tests/pagedattn_nccl_tests, build/cuda-h200/bench/gpu/bench_dcp; then
 #     bash bench/gpu/run_h200.sh
 # They link cudart statically and need only libc/libstdc++ and the driver there; the two NCCL
-# binaries also load libnccl.so.2, which this script finds in the python3's nvidia-nccl wheel
-# (PyTorch's) or NCCL_LIB_DIR.
+# binaries also load libnccl.so.2, which this script finds in NCCL_LIB_DIR, the python3's
+# nvidia-nccl wheel (PyTorch's) or the system's. Each binary is about 23 MB (every kernel): more
+# than two or three exceed the carry limit, so carry them as one archive (about 4x smaller),
+#     tar czf build/carry/h200-bins.tar.gz build/cuda-h200/tests/{backend_ops,pagedattn_cuda_tests,pagedattn_nccl_tests} \
+#         build/cuda-h200/bench/gpu/{bench_decode,bench_prefill,bench_dcp}
+# carry = build/carry, and run `tar xzf build/carry/h200-bins.tar.gz && bash bench/gpu/run_h200.sh`.
 #
 # Parts can be skipped: SKIP_BACKEND_OPS=1 SKIP_TESTS=1 SKIP_PARALLEL=1 SKIP_NCCL=1
 # SKIP_SANITIZER=1 SKIP_BENCH=1 SKIP_PEERS=1 SKIP_PREFILL_BENCH=1 SKIP_DCP_BENCH=1;
