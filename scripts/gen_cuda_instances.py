@@ -28,6 +28,8 @@ CACHES = ["f32", "f16", "bf16", "e4m3", "e5m2"]
 WRITE_KV = [(a, c) for a in ACTIVATIONS for c in CACHES]
 # merge_states: one per output dtype.
 MERGE = ACTIVATIONS
+# merge_ranks (decode context parallelism): every partial dtype into every output dtype.
+MERGE_RANKS = [(p, o) for p in ACTIVATIONS for o in ACTIVATIONS]
 # decode, tensor cores: 16-bit activations over a cache of the same type ("same") or fp8
 # (e4m3 / e5m2 decided at run time), at the head sizes models use.
 DECODE_HEAD_SIZES = [64, 80, 96, 128, 192, 256]
@@ -70,6 +72,12 @@ def family_files():
             "merge", "kernel.cuh", f"MergeOps<DType::{DTYPE[d]}>")
         inc.append(f"PAGEDATTN_MERGE_INSTANCE({DTYPE[d]})\n")
     files[CUDA / "merge" / "inst" / "instances.inc"] = "".join(inc)
+    inc = [HEADER]
+    for p, o in MERGE_RANKS:
+        files[CUDA / "merge" / "inst" / f"merge_ranks_{p}_{o}.cu"] = instance_file(
+            "merge", "kernel.cuh", f"MergeRanksOps<DType::{DTYPE[p]}, DType::{DTYPE[o]}>")
+        inc.append(f"PAGEDATTN_MERGE_RANKS_INSTANCE({DTYPE[p]}, {DTYPE[o]})\n")
+    files[CUDA / "merge" / "inst" / "merge_ranks_instances.inc"] = "".join(inc)
 
     files[CUDA / "amax" / "inst" / "amax.cu"] = (
         HEADER + "// One instance: the dtype is a run-time field.\n"

@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
 # One command that checks and times the cuda backend on the H200 machine, writing files under
-# $OUT (summary.txt, results.json, decode.png, prefill.json, prefill.png, and logs.tar.gz with
-# every log: backend_ops*.log, cuda_tests.log, sanitizer.log, bench.log, prefill.log) and
-# printing a short table last.
+# $OUT (summary.txt, results.json, decode.png, prefill.json, prefill.png, dcp.json, and
+# logs.tar.gz with every log: backend_ops*.log, cuda_tests.log, parallel_tests.log,
+# nccl_tests.log, sanitizer.log, bench.log, prefill.log, dcp.log) and printing a short table
+# last.
 #
 # The binaries are built HERE (the H200 image lacks CLI11 / nlohmann-json / libdlpack) with
-#     cmake --preset cuda-h200 && cmake --build --preset cuda-h200
+#     cmake --preset cuda-h200 [-DNCCL_ROOT=<nvidia-nccl wheel's nvidia/nccl>]
+#     cmake --build --preset cuda-h200
 # and carried with the call: carry = build/cuda-h200/tests/backend_ops,
 # build/cuda-h200/tests/pagedattn_cuda_tests, build/cuda-h200/bench/gpu/bench_decode,
-# build/cuda-h200/bench/gpu/bench_prefill; then
+# build/cuda-h200/bench/gpu/bench_prefill, and (built when NCCL was found)
+# build/cuda-h200/tests/pagedattn_nccl_tests, build/cuda-h200/bench/gpu/bench_dcp; then
 #     bash bench/gpu/run_h200.sh
-# They link cudart statically and need only libc/libstdc++ and the driver there.
+# They link cudart statically and need only libc/libstdc++ and the driver there; the two NCCL
+# binaries also load libnccl.so.2, which this script finds in NCCL_LIB_DIR, the python3's
+# nvidia-nccl wheel (PyTorch's) or the system's. Each binary is about 23 MB (every kernel): more
+# than two or three exceed the carry limit, so carry them as one archive (about 4x smaller),
+#     tar czf build/carry/h200-bins.tar.gz build/cuda-h200/tests/{backend_ops,pagedattn_cuda_tests,pagedattn_nccl_tests} \
+#         build/cuda-h200/bench/gpu/{bench_decode,bench_prefill,bench_dcp}
+# carry = build/carry, and run `tar xzf build/carry/h200-bins.tar.gz && bash bench/gpu/run_h200.sh`.
 #
-# Parts can be skipped: SKIP_BACKEND_OPS=1 SKIP_TESTS=1 SKIP_SANITIZER=1 SKIP_BENCH=1
-# SKIP_PEERS=1 SKIP_PREFILL_BENCH=1; BENCH_QUICK=1 runs a small benchmark matrix. Each part has a time limit so that
-# the whole run stays under ~9 minutes of device time.
+# Parts can be skipped: SKIP_BACKEND_OPS=1 SKIP_TESTS=1 SKIP_PARALLEL=1 SKIP_NCCL=1
+# SKIP_SANITIZER=1 SKIP_BENCH=1 SKIP_PEERS=1 SKIP_PREFILL_BENCH=1 SKIP_DCP_BENCH=1;
+# BENCH_QUICK=1 runs a small benchmark matrix. Each part has a time limit so that the whole run
+# stays under ~9 minutes of device time (ONLY=parallel runs the parallelism parts alone: the
+# simulated ranks, the NCCL test and bench_dcp).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-$PWD/build/h200-out}"
@@ -31,9 +42,34 @@ backend_ops="$BUILD/tests/backend_ops"
 cuda_tests="$BUILD/tests/pagedattn_cuda_tests"
 bench="$BUILD/bench/gpu/bench_decode"
 bench_prefill="$BUILD/bench/gpu/bench_prefill"
+nccl_tests="$BUILD/tests/pagedattn_nccl_tests"
+bench_dcp="$BUILD/bench/gpu/bench_dcp"
+if [ "${ONLY:-}" = parallel ]; then
+  SKIP_BACKEND_OPS=1 SKIP_TESTS=1 SKIP_SANITIZER=1 SKIP_BENCH=1 SKIP_PREFILL_BENCH=1
+fi
 for b in "$backend_ops" "$cuda_tests" "$bench" "$bench_prefill"; do
   [ -x "$b" ] || say "missing $b (build with the cuda-h200 preset here and carry it)"
 done
+# libnccl.so.2 for the NCCL binaries: NCCL_LIB_DIR, else the python3's nvidia-nccl wheel (PyTorch's),
+# else the system's (ldconfig).
+nccl_lib="${NCCL_LIB_DIR:-}"
+if [ -z "$nccl_lib" ]; then
+  wheel="$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null)"
+  [ -n "$wheel" ] && [ -e "$wheel/lib/libnccl.so.2" ] && nccl_lib="$wheel/lib"
+fi
+if [ -z "$nccl_lib" ]; then
+  sys_nccl="$(ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 / {print $NF; exit}')"
+  [ -n "$sys_nccl" ] && nccl_lib="$(dirname "$sys_nccl")"
+fi
+nccl_why=""
+if [ ! -x "$nccl_tests" ] || [ ! -x "$bench_dcp" ]; then
+  nccl_why="pagedattn_nccl_tests / bench_dcp not carried (built only where CMake found NCCL)"
+elif [ -z "$nccl_lib" ] || [ ! -e "$nccl_lib/libnccl.so.2" ]; then
+  nccl_why="no libnccl.so.2 (no nvidia-nccl wheel for python3; set NCCL_LIB_DIR)"
+elif ! nvidia-smi -L >/dev/null 2>&1; then
+  nccl_why="no GPU (nvidia-smi -L failed)"
+fi
+with_nccl() { LD_LIBRARY_PATH="$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$@"; }
 
 say "== device"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw \
@@ -80,12 +116,44 @@ fi
 # ---- 2. the GoogleTest binary (splits, graphs, checked mode, merge, amax) --------------------
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   say "== pagedattn_cuda_tests  ($(elapsed))"
-  timeout 240 "$cuda_tests" --gtest_brief=1 >"$OUT/cuda_tests.log" 2>&1
+  timeout 240 "$cuda_tests" --gtest_brief=1 --gtest_filter='-CudaParallel*:CudaMergeRanks*' \
+    >"$OUT/cuda_tests.log" 2>&1
   rc=$?
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|FAILED TEST" "$OUT/cuda_tests.log" | head -30 |
     tee -a "$summary"
   say "pagedattn_cuda_tests rc=$rc"
   [ $rc -eq 0 ] || status=1
+fi
+
+# ---- 2b. parallelism on one GPU without a transport: merge_ranks, 2/3/4 simulated ranks ------
+if [ "${SKIP_PARALLEL:-0}" != 1 ]; then
+  say "== pagedattn_cuda_tests CudaMergeRanks* CudaParallel* (simulated ranks)  ($(elapsed))"
+  timeout 240 "$cuda_tests" --gtest_filter='CudaMergeRanks*:CudaParallel*' \
+    >"$OUT/parallel_tests.log" 2>&1
+  rc=$?
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|FAILED TEST|^simulated ranks|^  refused" \
+    "$OUT/parallel_tests.log" | head -30 | tee -a "$summary"
+  say "simulated ranks rc=$rc"
+  [ $rc -eq 0 ] || status=1
+fi
+
+# ---- 2c. TP and DCP over NCCL, one process per GPU (world = the visible GPUs, up to 8) --------
+if [ "${SKIP_NCCL:-0}" != 1 ]; then
+  say "== pagedattn_nccl_tests  ($(elapsed))"
+  if [ -n "$nccl_why" ]; then
+    say "skipped: $nccl_why"
+  else
+    with_nccl timeout 300 "$nccl_tests" --timeout 290 >"$OUT/nccl_tests.log" 2>&1
+    rc=$?
+    grep -E "^nccl_parallel|passed|FAIL|refused [0-9]|fork_ranks|error" "$OUT/nccl_tests.log" |
+      head -30 | tee -a "$summary"
+    if [ $rc -eq 77 ]; then
+      say "pagedattn_nccl_tests skipped (no GPU visible to it)"
+    else
+      say "pagedattn_nccl_tests rc=$rc"
+      [ $rc -eq 0 ] || status=1
+    fi
+  fi
 fi
 
 # ---- 3. compute-sanitizer on a reduced matrix ------------------------------------------------
@@ -167,6 +235,24 @@ if [ "${SKIP_PREFILL_BENCH:-0}" != 1 ]; then
     cat "$SCRATCH/prefill_table.txt" >>"$summary"
   else
     say "no prefill results (see prefill.log)"
+  fi
+fi
+
+# ---- 6. DCP decode over NCCL on 1, 2, 4, 8 GPUs (those visible; the rest listed as not run) --
+if [ "${SKIP_DCP_BENCH:-0}" != 1 ]; then
+  say "== bench_dcp  ($(elapsed))"
+  if [ -n "$nccl_why" ]; then
+    say "skipped: $nccl_why"
+  else
+    quick=()
+    [ "${BENCH_QUICK:-0}" = 1 ] && quick=(--quick)
+    with_nccl timeout 240 "$bench_dcp" --worlds 1,2,4,8 --out "$OUT/dcp.json" "${quick[@]}" \
+      >"$OUT/dcp.log" 2>&1
+    rc=$?
+    sed -n '/^point /,$p' "$OUT/dcp.log" | tee -a "$summary"
+    grep -E "not run|failed" "$OUT/dcp.log" | tee -a "$summary"
+    say "bench_dcp rc=$rc"
+    [ $rc -eq 0 ] || status=1
   fi
 fi
 

@@ -71,6 +71,19 @@ struct MergeArgs {
   Stream stream;
 };
 
+/// Merge of `num_ranks` partial results over disjoint key sets, in rank order (decode context
+/// parallelism, after the all-gather: include/pagedattn/exchange.h). Row (t, h) of `output` is
+/// merge_states(... merge_states(rank 0, rank 1) ..., rank num_ranks - 1) computed in float32
+/// and rounded once to the output dtype; a rank whose LSE is -inf (or +inf) is never read (its
+/// rows may hold garbage), and a row no rank has keys for gets output 0 and LSE -inf.
+struct MergeRanksArgs {
+  TensorView partial_outputs;  ///< [num_ranks, num_tokens, num_heads, head_size], f32/f16/bf16
+  TensorView partial_lses;     ///< float32 [num_ranks, num_heads, num_tokens]
+  TensorView output;           ///< [num_tokens, num_heads, head_size], f32/f16/bf16
+  TensorView output_lse;       ///< optional float32 [num_heads, num_tokens]
+  Stream stream;
+};
+
 /// One layer's attention implementation, built by Backend::make_impl for a fixed config.
 class AttentionImpl {
  public:
@@ -100,6 +113,9 @@ class Backend {
                                      const AttentionConfig& config) const;
   /// Optional: merges two partial results. Default throws NotSupported.
   virtual void merge_states(const MergeArgs& args) const;
+  /// Optional: merges N ranks' partial results in rank order. Default: host tensors (float32
+  /// math, as MergeRanksArgs says); throws NotSupported for tensors on another device.
+  virtual void merge_ranks(const MergeRanksArgs& args) const;
   /// Optional: max |x| over a floating tensor on `device` (for scale calibration).
   /// Default: host tensors only.
   virtual float amax(const TensorView& x) const;
@@ -121,5 +137,8 @@ void check_write_kv_args(const AttentionConfig& config, const WriteKVArgs& args,
                          bool check_slots = true);
 /// Checks a merge call (matching shapes, float32 LSEs).
 void check_merge_args(const MergeArgs& args);
+/// Checks a merge_ranks call: shapes that agree, float32 LSEs, f32/f16/bf16 outputs contiguous
+/// in head_size, every tensor on the output's device. Builds no string unless it throws.
+void check_merge_ranks_args(const MergeRanksArgs& args);
 
 }  // namespace pagedattn

@@ -44,6 +44,12 @@ class DeviceRuntime {
   virtual void copy(void* dst, Device dst_device, const void* src, Device src_device,
                     size_t bytes) = 0;
   virtual void memset(void* dst, int byte, size_t bytes, int index) = 0;
+  /// Copies `rows` rows of `row_bytes` each within device `index`: row i from
+  /// src + i * src_pitch to dst + i * dst_pitch (pitches >= row_bytes when rows > 1). Ordered on
+  /// `stream` without synchronising the host, so it can be captured in a CUDA graph; the CPU
+  /// runtime copies at once. The rows must not overlap.
+  virtual void copy_2d_async(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                             size_t row_bytes, size_t rows, int index, Stream stream) = 0;
   virtual void synchronize(int index) = 0;
 };
 

@@ -9,6 +9,7 @@
 #include "pagedattn/device.h"
 #include "pagedattn/dtype.h"
 #include "pagedattn/error.h"
+#include "pagedattn/exchange.h"
 #include "pagedattn/forward_context.h"
 #include "pagedattn/kv_cache.h"
 #include "pagedattn/kv_cache_spec.h"

@@ -1,7 +1,9 @@
 // Backend defaults and the argument checks that run before any backend sees a call.
 #include "pagedattn/backend.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "pagedattn/error.h"
 
@@ -16,6 +18,50 @@ std::unique_ptr<Plan> Backend::plan(const AttentionMetadata&, const AttentionCon
 
 void Backend::merge_states(const MergeArgs&) const {
   fail<NotSupported>("backend '", name(), "' does not implement merge_states");
+}
+
+void Backend::merge_ranks(const MergeRanksArgs& a) const {
+  check_merge_ranks_args(a);
+  if (!a.output.device.is_cpu()) {
+    fail<NotSupported>("backend '", name(), "' merges ranks on the host only; output is on ",
+                       to_string(a.output.device));
+  }
+  const TensorView &po = a.partial_outputs, &pl = a.partial_lses, &o = a.output;
+  const int64_t ranks = po.size(0), n = o.size(0), heads = o.size(1), d = o.size(2);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  std::vector<float> acc(size_t(d), 0.0f);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      // The running merge starts as "no keys" (LSE -inf, output 0); merging rank 0 into it
+      // gives rank 0 exactly (weights 0 and 1), so every rank takes the same steps.
+      float lse = kNegInf;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t r = 0; r < ranks; ++r) {
+        float l = float(load_element(pl.data, pl.dtype,
+                                     r * pl.stride(0) + h * pl.stride(1) + t * pl.stride(2)));
+        if (std::isinf(l)) l = kNegInf;  // +inf (FA2's empty rows) also means "no keys"
+        const float m = std::max(lse, l);
+        if (m == kNegInf) continue;
+        float wp = std::exp(lse - m), ws = std::exp(l - m);
+        const float sum = wp + ws;
+        lse = std::log(sum) + m;
+        wp /= sum;
+        ws /= sum;
+        const int64_t base = r * po.stride(0) + t * po.stride(1) + h * po.stride(2);
+        for (int64_t i = 0; i < d; ++i) {
+          // A side of weight 0 is never read: its rows may be garbage for an empty partial.
+          const float s = ws == 0.0f ? 0.0f : float(load_element(po.data, po.dtype, base + i));
+          acc[size_t(i)] = (wp == 0.0f ? 0.0f : acc[size_t(i)] * wp) + s * ws;
+        }
+      }
+      const int64_t out_base = t * o.stride(0) + h * o.stride(1);
+      for (int64_t i = 0; i < d; ++i) store_element(o.data, o.dtype, out_base + i, acc[size_t(i)]);
+      if (a.output_lse.defined()) {
+        store_element(a.output_lse.data, a.output_lse.dtype,
+                      h * a.output_lse.stride(0) + t * a.output_lse.stride(1), lse);
+      }
+    }
+  }
 }
 
 float Backend::amax(const TensorView& x) const {
@@ -162,6 +208,55 @@ void check_merge_args(const MergeArgs& a) {
             describe(v));
     require(v.device == o.device, name, " is on ", to_string(v.device), "; output on ",
             to_string(o.device));
+  }
+}
+
+namespace {
+
+bool is_merge_dtype(DType t) {
+  return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16;
+}
+
+}  // namespace
+
+void check_merge_ranks_args(const MergeRanksArgs& a) {
+  const TensorView &o = a.output, &po = a.partial_outputs, &pl = a.partial_lses;
+  if (!o.defined() || o.ndim != 3 || !is_merge_dtype(o.dtype)) {
+    fail(
+        "merge_ranks: output must be float32/float16/bfloat16 [num_tokens, num_heads, "
+        "head_size]; got ",
+        describe(o));
+  }
+  const int64_t n = o.size(0), h = o.size(1), d = o.size(2);
+  if (!po.defined() || po.ndim != 4 || po.size(0) < 1 || po.size(1) != n || po.size(2) != h ||
+      po.size(3) != d || !is_merge_dtype(po.dtype)) {
+    fail("merge_ranks: partial_outputs must be float32/float16/bfloat16 [num_ranks >= 1, ", n, ", ",
+         h, ", ", d, "] (the output's num_tokens, num_heads, head_size); got ", describe(po));
+  }
+  const int64_t ranks = po.size(0);
+  if (!pl.defined() || pl.ndim != 3 || pl.dtype != DType::kF32 || pl.size(0) != ranks ||
+      pl.size(1) != h || pl.size(2) < n) {
+    fail("merge_ranks: partial_lses must be float32 [num_ranks=", ranks, ", num_heads=", h,
+         ", num_tokens >= ", n, "]; got ", describe(pl));
+  }
+  const TensorView& ol = a.output_lse;
+  if (ol.defined() &&
+      (ol.ndim != 2 || ol.dtype != DType::kF32 || ol.size(0) != h || ol.size(1) < n)) {
+    fail("merge_ranks: output_lse must be float32 [num_heads=", h, ", num_tokens >= ", n, "]; got ",
+         describe(ol));
+  }
+  if ((o.numel() > 0 && o.stride(2) != 1) || (po.numel() > 0 && po.stride(3) != 1)) {
+    fail("merge_ranks: output and partial_outputs must be contiguous in head_size; strides ",
+         o.numel() > 0 ? o.stride(2) : 1, " and ", po.numel() > 0 ? po.stride(3) : 1);
+  }
+  for (const TensorView* v : {&po, &pl, &ol}) {
+    if (v->defined() && v->device != o.device) {
+      fail("merge_ranks: ",
+           v == &po   ? "partial_outputs"
+           : v == &pl ? "partial_lses"
+                      : "output_lse",
+           " is on ", to_string(v->device), "; output on ", to_string(o.device));
+    }
   }
 }
 

@@ -83,7 +83,8 @@ class CudaBackend final : public Backend {
 
   std::string_view name() const override { return "cuda"; }
   std::string_view description() const override {
-    return "NVIDIA Hopper (sm_90a): paged decode with split-KV, write_kv, merge_states, amax";
+    return "NVIDIA Hopper (sm_90a): paged decode with split-KV, write_kv, merge_states, "
+           "merge_ranks, amax";
   }
 
   std::vector<std::string> check(const BackendQuery& q) const override {
@@ -215,6 +216,50 @@ class CudaBackend final : public Backend {
     p.vectorized = p.head_size % merge::kVec == 0 && vec_ok(po) && vec_ok(so) && vec_ok(o);
     require(po.stride(2) == 1 && so.stride(2) == 1 && o.stride(2) == 1,
             "merge_states: outputs must be contiguous in head_size");
+    ScopedDevice guard(device.index);
+    kernel->launch(p, static_cast<cudaStream_t>(a.stream.handle));
+  }
+
+  void merge_ranks(const MergeRanksArgs& a) const override {
+    if (a.output.device.is_cpu()) return Backend::merge_ranks(a);  // the host merge
+    check_merge_ranks_args(a);
+    const Device device = a.output.device;
+    if (!device.is_cuda()) {
+      detail::fail<NotSupported>("cuda backend: merge_ranks needs CUDA tensors; output is on ",
+                                 to_string(device));
+    }
+    const TensorView &po = a.partial_outputs, &pl = a.partial_lses, &o = a.output;
+    const merge::MergeRanksKernel* kernel = merge::find_merge_ranks(po.dtype, o.dtype);
+    if (kernel == nullptr) {
+      detail::fail<NotSupported>("cuda backend: merge_ranks is not compiled for ",
+                                 dtype_name(po.dtype), " partials into ", dtype_name(o.dtype),
+                                 " (float32, float16, bfloat16 each way are)");
+    }
+    merge::MergeRanksParams p{};
+    p.partials = po.data;
+    p.partial_stride_rank = po.stride(0);
+    p.partial_stride_token = po.stride(1);
+    p.partial_stride_head = po.stride(2);
+    p.lses = static_cast<const float*>(pl.data);
+    p.lse_stride_rank = pl.stride(0);
+    p.lse_stride_head = pl.stride(1);
+    p.lse_stride_token = pl.stride(2);
+    p.out = o.data;
+    p.out_stride_token = o.stride(0);
+    p.out_stride_head = o.stride(1);
+    if (a.output_lse.defined()) {
+      p.out_lse = static_cast<float*>(a.output_lse.data);
+      p.out_lse_stride_head = a.output_lse.stride(0);
+      p.out_lse_stride_token = a.output_lse.stride(1);
+    }
+    p.num_ranks = int(po.size(0));
+    p.num_tokens = int(o.size(0));
+    p.num_heads = int(o.size(1));
+    p.head_size = int(o.size(2));
+    p.vectorized = p.head_size % merge::kVec == 0 && is_aligned(po.data, 16) &&
+                   is_aligned(o.data, 16) && po.stride(0) % merge::kVec == 0 &&
+                   po.stride(1) % merge::kVec == 0 && po.stride(2) % merge::kVec == 0 &&
+                   o.stride(0) % merge::kVec == 0 && o.stride(1) % merge::kVec == 0;
     ScopedDevice guard(device.index);
     kernel->launch(p, static_cast<cudaStream_t>(a.stream.handle));
   }

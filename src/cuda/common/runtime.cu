@@ -65,6 +65,19 @@ class CudaRuntime final : public DeviceRuntime {
     DeviceGuard guard(index);
     PAGEDATTN_CUDA_CHECK(cudaMemset(dst, byte, bytes));
   }
+  void copy_2d_async(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                     size_t row_bytes, size_t rows, int index, Stream stream) override {
+    if (rows == 0 || row_bytes == 0) return;
+    DeviceGuard guard(index);
+    const auto s = static_cast<cudaStream_t>(stream.handle);
+    if (rows == 1 || (dst_pitch == row_bytes && src_pitch == row_bytes)) {
+      PAGEDATTN_CUDA_CHECK(
+          cudaMemcpyAsync(dst, src, rows * row_bytes, cudaMemcpyDeviceToDevice, s));
+    } else {
+      PAGEDATTN_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows,
+                                             cudaMemcpyDeviceToDevice, s));
+    }
+  }
   void synchronize(int index) override {
     DeviceGuard guard(index);
     PAGEDATTN_CUDA_CHECK(cudaDeviceSynchronize());

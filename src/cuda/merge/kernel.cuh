@@ -1,5 +1,6 @@
 // merge_states: merges two partial attention results over disjoint key sets by their LSEs
-// (vLLM's merge_attn_states; cascade attention, context parallelism).
+// (vLLM's merge_attn_states; cascade attention, context parallelism); merge_ranks: the same
+// merge applied rank by rank to N gathered partials (decode context parallelism).
 //
 // Map
 //   computes  per (token t, head h): p, s = the two LSEs, any infinity read as -inf;
@@ -7,12 +8,18 @@
 //             out = (e^(p-M) out_p + e^(s-M) out_s) / (e^(p-M) + e^(s-M)),
 //             lse = M + ln(e^(p-M) + e^(s-M)). A side of weight 0 is never read (its rows may
 //             hold garbage for an empty partial). Float math, output rounded to nearest even.
+//             merge_ranks: a running (out, lse) in float registers, starting as "no keys"
+//             (0, -inf), merged with rank 0, 1, ..., N-1 in turn by the same formula, rounded
+//             once at the end (a row no rank has keys for: 0, -inf).
 //   grid      grid-stride loop over (row, chunk) items, kVec elements per chunk (one 16-byte
 //             access for 16-bit outputs); any head size (scalar chunks when not a multiple of
 //             kVec or not aligned).
-//   budget    no shared memory; each item recomputes its row's two weights (two LSE loads that
-//             hit L1) rather than synchronising with its row's other items.
-//   test      tests/cuda MergeStates* (vs the reference, infinities, garbage on the empty side).
+//   budget    no shared memory; each item recomputes its row's weights (LSE loads that hit
+//             L1) rather than synchronising with its row's other items; merge_ranks holds kVec
+//             float accumulators per thread.
+//   test      tests/cuda MergeStates* (vs the reference, infinities, garbage on the empty side);
+//             tests/cuda/test_cuda_parallel.cpp CudaMergeRanks* (vs the host merge and a
+//             float64 chain, every dtype pair, 1 to 8 ranks).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,6 +41,21 @@ __device__ __forceinline__ float read_lse(const void* base, int f64, int64_t at)
   return isinf(v) ? -INFINITY : v;  // FA2 reports +inf for empty rows: both mean "no keys"
 }
 
+// The weights of a prefix of LSE lp and a suffix of LSE ls (both already -inf for "no keys")
+// and the merged LSE; M = -inf gives weights (1, 0) and LSE -inf.
+__device__ __forceinline__ float merge_weights(float lp, float ls, float& wp, float& ws) {
+  const float mx = fmaxf(lp, ls);
+  wp = 1.0f;
+  ws = 0.0f;
+  if (mx == -INFINITY) return -INFINITY;
+  wp = expf(lp - mx);
+  ws = expf(ls - mx);
+  const float sum = wp + ws;
+  wp /= sum;
+  ws /= sum;
+  return logf(sum) + mx;
+}
+
 template <DType kDType>
 __global__ void __launch_bounds__(kThreads) merge_kernel(const __grid_constant__ MergeParams p) {
   constexpr int kBytes = kElemBytes<kDType>;
@@ -49,16 +71,8 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const __grid_constant__
                               h * p.prefix_lse_stride_head + t * p.prefix_lse_stride_token);
     const float ls = read_lse(p.suffix_lse, p.suffix_lse_f64,
                               h * p.suffix_lse_stride_head + t * p.suffix_lse_stride_token);
-    const float mx = fmaxf(lp, ls);
-    float wp = 1.0f, ws = 0.0f, lse = -INFINITY;
-    if (mx != -INFINITY) {
-      wp = expf(lp - mx);
-      ws = expf(ls - mx);
-      const float sum = wp + ws;
-      lse = logf(sum) + mx;
-      wp /= sum;
-      ws /= sum;
-    }
+    float wp, ws;
+    const float lse = merge_weights(lp, ls, wp, ws);
     const int d0 = c * per_item;
     const char* pp = static_cast<const char*>(p.prefix_out) +
                      (t * p.prefix_stride_token + h * p.prefix_stride_head + d0) * kBytes;
@@ -116,6 +130,99 @@ void MergeOps<kDType>::launch(const MergeParams& p, cudaStream_t stream) {
   // Enough CTAs for a few waves; the loop covers the rest.
   const int64_t ctas = std::min<int64_t>((items + kThreads - 1) / kThreads, 132 * 16);
   merge_kernel<kDType><<<unsigned(ctas), kThreads, 0, stream>>>(p);
+  PAGEDATTN_CUDA_CHECK_LAUNCH();
+}
+
+// kVec elements of a row as floats: 16-byte loads (two for float32).
+template <DType kDType>
+__device__ __forceinline__ void load_vec(const char* src, float (&v)[kVec]) {
+  if constexpr (kDType == DType::kF32) {
+    const float4 a = reinterpret_cast<const float4*>(src)[0];
+    const float4 b = reinterpret_cast<const float4*>(src)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z;
+    v[7] = b.w;
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
+    const auto* e = reinterpret_cast<const typename Elem<kDType>::type*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v[i] = load_as_float<kDType>(e, i);
+  }
+}
+
+// kVec floats rounded to kDType (nearest even) and stored with 16-byte stores.
+template <DType kDType>
+__device__ __forceinline__ void store_vec(char* dst, const float (&v)[kVec]) {
+  if constexpr (kDType == DType::kF32) {
+    reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    uint4 raw;
+    uint32_t* r32 = reinterpret_cast<uint32_t*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) r32[i] = pack2<kDType>(v[2 * i], v[2 * i + 1]);
+    *reinterpret_cast<uint4*>(dst) = raw;
+  }
+}
+
+template <DType kPartial, DType kOut>
+__global__ void __launch_bounds__(kThreads)
+    merge_ranks_kernel(const __grid_constant__ MergeRanksParams p) {
+  constexpr int kInBytes = kElemBytes<kPartial>, kOutBytes = kElemBytes<kOut>;
+  const int per_item = p.vectorized ? kVec : 1;
+  const int items_per_row = p.head_size / per_item;
+  const int64_t total = int64_t(p.num_tokens) * p.num_heads * items_per_row;
+  for (int64_t item = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; item < total;
+       item += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = item / items_per_row;
+    const int c = int(item - row * items_per_row);
+    const int t = int(row / p.num_heads), h = int(row - int64_t(t) * p.num_heads);
+    const int d0 = c * per_item;
+    float acc[kVec] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float lse = -INFINITY;  // the running merge starts as "no keys"
+    for (int r = 0; r < p.num_ranks; ++r) {
+      const float l =
+          read_lse(p.lses, 0,
+                   r * p.lse_stride_rank + h * p.lse_stride_head + int64_t(t) * p.lse_stride_token);
+      float wp, ws;
+      const float merged = merge_weights(lse, l, wp, ws);
+      if (merged == -INFINITY) continue;  // neither side has keys yet: nothing changes
+      lse = merged;
+      const char* src = static_cast<const char*>(p.partials) +
+                        (r * p.partial_stride_rank + int64_t(t) * p.partial_stride_token +
+                         h * p.partial_stride_head + d0) *
+                            kInBytes;
+      // A side of weight 0 is never read: an empty rank's rows may hold garbage, and so may the
+      // running merge's before its first rank with keys.
+      if (p.vectorized) {
+        float v[kVec] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (ws != 0.0f) load_vec<kPartial>(src, v);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) acc[i] = (wp != 0.0f ? acc[i] * wp : 0.0f) + v[i] * ws;
+      } else {
+        const float v = ws != 0.0f ? load_as_float<kPartial>(src, 0) : 0.0f;
+        acc[0] = (wp != 0.0f ? acc[0] * wp : 0.0f) + v * ws;
+      }
+    }
+    char* op = static_cast<char*>(p.out) +
+               (int64_t(t) * p.out_stride_token + h * p.out_stride_head + d0) * kOutBytes;
+    if (p.vectorized) {
+      store_vec<kOut>(op, acc);
+    } else {
+      store_from_float<kOut>(op, 0, acc[0]);
+    }
+    if (p.out_lse != nullptr && c == 0) {
+      p.out_lse[h * p.out_lse_stride_head + int64_t(t) * p.out_lse_stride_token] = lse;
+    }
+  }
+}
+
+template <DType kPartial, DType kOut>
+void MergeRanksOps<kPartial, kOut>::launch(const MergeRanksParams& p, cudaStream_t stream) {
+  const int64_t items =
+      int64_t(p.num_tokens) * p.num_heads * (p.vectorized ? p.head_size / kVec : p.head_size);
+  if (items == 0) return;
+  const int64_t ctas = std::min<int64_t>((items + kThreads - 1) / kThreads, 132 * 16);
+  merge_ranks_kernel<kPartial, kOut><<<unsigned(ctas), kThreads, 0, stream>>>(p);
   PAGEDATTN_CUDA_CHECK_LAUNCH();
 }
 

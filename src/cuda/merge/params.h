@@ -1,4 +1,4 @@
-// Parameters of merge_states (spec 4.12): one POD struct, host -> device.
+// Parameters of merge_states (spec 4.12) and merge_ranks: one POD struct each, host -> device.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +23,23 @@ struct MergeParams {
   int64_t out_lse_stride_head, out_lse_stride_token;
   int prefix_lse_f64, suffix_lse_f64, out_lse_f64;
   int num_tokens, num_heads, head_size;
+  int vectorized;  ///< 1: rows and bases allow kVec-element accesses
+};
+
+/// Row (t, h) of out is the rank-order merge of row (t, h) of every rank's partial output by
+/// the ranks' LSEs (natural log, head-major), in float32: the running merge starts as "no
+/// keys" and merges rank 0, 1, ... in turn with merge_states' formula. Strides in elements; the
+/// head dimension of partials and out is contiguous.
+struct MergeRanksParams {
+  const void* partials;  ///< [num_ranks, num_tokens, num_heads, head_size] of the partial dtype
+  int64_t partial_stride_rank, partial_stride_token, partial_stride_head;
+  const float* lses;  ///< [num_ranks, num_heads, num_tokens]
+  int64_t lse_stride_rank, lse_stride_head, lse_stride_token;
+  void* out;  ///< [num_tokens, num_heads, head_size] of the output dtype
+  int64_t out_stride_token, out_stride_head;
+  float* out_lse;  ///< optional [num_heads, num_tokens]; nullptr = not wanted
+  int64_t out_lse_stride_head, out_lse_stride_token;
+  int num_ranks, num_tokens, num_heads, head_size;
   int vectorized;  ///< 1: rows and bases allow kVec-element accesses
 };
 
