@@ -4,6 +4,7 @@
 
 namespace pagedattn {
 
+using detail::cat;
 using detail::fail;
 
 namespace {
@@ -65,6 +66,20 @@ size_t span_bytes(const TensorView& v) {
   int64_t last = 0;
   for (int d = 0; d < v.ndim; ++d) last += (v.size(d) - 1) * v.stride(d);
   return size_t(last + 1) * dtype_size(v.dtype);
+}
+
+// The workspace holds `need` bytes (what `layout_call` computes) and overlaps neither output.
+template <class LayoutCall>
+void check_workspace(const char* kind, const char* lse_name, const Workspace& ws, size_t need,
+                     const TensorView& out, const TensorView& lse, LayoutCall layout_call) {
+  if (ws.bytes < need || (need > 0 && ws.data == nullptr)) {
+    fail(kind, " exchange: workspace has ", ws.bytes, " bytes; the exchange needs ", need, " (",
+         layout_call(), ")");
+  }
+  if (overlaps(out.data, span_bytes(out), ws.data, need) ||
+      (lse.defined() && overlaps(lse.data, span_bytes(lse), ws.data, need))) {
+    fail(kind, " exchange: output and ", lse_name, " must not overlap the workspace");
+  }
 }
 
 DeviceRuntime& runtime_of(Device device) {
@@ -184,15 +199,10 @@ DcpExchangeLayout check_dcp(const DcpExchangeArgs& a) {
     }
   }
   const DcpExchangeLayout l = DcpExchangeLayout::of(a.world, t, int(h), int(d), po.dtype);
-  if (a.workspace.bytes < l.bytes || (l.bytes > 0 && a.workspace.data == nullptr)) {
-    fail("dcp exchange: workspace has ", a.workspace.bytes, " bytes; the exchange needs ", l.bytes,
-         " (DcpExchangeLayout::of(world ", a.world, ", T ", t, ", H ", h, ", D ", d, ", ",
-         dtype_name(po.dtype), ").bytes)");
-  }
-  if (overlaps(o.data, span_bytes(o), a.workspace.data, l.bytes) ||
-      (ol.defined() && overlaps(ol.data, span_bytes(ol), a.workspace.data, l.bytes))) {
-    fail("dcp exchange: output and output_lse must not overlap the workspace");
-  }
+  check_workspace("dcp", "output_lse", a.workspace, l.bytes, o, ol, [&] {
+    return cat("DcpExchangeLayout::of(world ", a.world, ", T ", t, ", H ", h, ", D ", d, ", ",
+               dtype_name(po.dtype), ").bytes");
+  });
   return l;
 }
 
@@ -289,15 +299,10 @@ TpExchangeLayout check_tp(const TpExchangeArgs& a) {
     fail("tp exchange: lse is given without rank_lse");
   }
   const TpExchangeLayout lay = TpExchangeLayout::of(a.world, t, int(hr), int(d), ro.dtype);
-  if (a.workspace.bytes < lay.bytes || (lay.bytes > 0 && a.workspace.data == nullptr)) {
-    fail("tp exchange: workspace has ", a.workspace.bytes, " bytes; the exchange needs ", lay.bytes,
-         " (TpExchangeLayout::of(world ", a.world, ", T ", t, ", Hr ", hr, ", D ", d, ", ",
-         dtype_name(ro.dtype), ").bytes)");
-  }
-  if (overlaps(o.data, span_bytes(o), a.workspace.data, lay.bytes) ||
-      (l.defined() && overlaps(l.data, span_bytes(l), a.workspace.data, lay.bytes))) {
-    fail("tp exchange: output and lse must not overlap the workspace");
-  }
+  check_workspace("tp", "lse", a.workspace, lay.bytes, o, l, [&] {
+    return cat("TpExchangeLayout::of(world ", a.world, ", T ", t, ", Hr ", hr, ", D ", d, ", ",
+               dtype_name(ro.dtype), ").bytes");
+  });
   return lay;
 }
 
