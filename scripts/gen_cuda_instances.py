@@ -40,9 +40,10 @@ DECODE_GENERIC = ACTIVATIONS
 COMBINE = ACTIVATIONS
 # prefill, tensor cores: the decode tensor-core set (long queries; other dtypes stay on decode).
 PREFILL = DECODE_MMA
-# prefill, Hopper (sm_90a wgmma): 16-bit activations over a cache of the same type, whole
-# 64-column panels.
-PREFILL_SM90 = [(a, d) for a in ["f16", "bf16"] for d in [64, 128, 256]]
+# prefill, Hopper (sm_90a wgmma): 16-bit activations over a cache of the same type or fp8
+# (widened by the producer; d256 has no shared memory left for the fp8 staging buffer).
+PREFILL_SM90 = [(a, kv, d) for a in ["f16", "bf16"] for kv in ["same", "fp8"]
+                for d in [64, 80, 96, 128, 192, 256] if not (kv == "fp8" and d == 256)]
 
 KV_KIND = {"same": "kSame", "fp8": "kFp8", "any": "kAny"}
 
@@ -105,11 +106,12 @@ def family_files():
             "prefill", "kernel.cuh", f"PrefillOps<Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {d}>>")
         inc.append(f"#if PAGEDATTN_CUDA_HEAD_SIZE_{d}\n"
                    f"PAGEDATTN_PREFILL_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {d})\n#endif\n")
-    for a, d in PREFILL_SM90:
-        files[CUDA / "prefill" / "inst" / f"prefill_sm90_{a}_d{d}.cu"] = instance_file(
-            "prefill", "sm90_kernel.cuh", f"PrefillSm90Ops<Sm90Traits<DType::{DTYPE[a]}, KVKind::kSame, {d}>>")
+    for a, kv, d in PREFILL_SM90:
+        files[CUDA / "prefill" / "inst" / f"prefill_sm90_{a}_{kv}_d{d}.cu"] = instance_file(
+            "prefill", "sm90_kernel.cuh",
+            f"PrefillSm90Ops<Sm90Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {d}>>")
         inc.append(f"#if PAGEDATTN_CUDA_HEAD_SIZE_{d}\n"
-                   f"PAGEDATTN_PREFILL_SM90_INSTANCE({DTYPE[a]}, {d})\n#endif\n")
+                   f"PAGEDATTN_PREFILL_SM90_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {d})\n#endif\n")
     files[CUDA / "prefill" / "inst" / "instances.inc"] = "".join(inc)
     return files
 

@@ -13,7 +13,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "src" / "cuda" / "arch" / "sm90" / "wgmma_ops.inc"
-NS = [32, 64, 128, 256]
+NS = [32, 64, 80, 96, 128, 192, 256]
 
 
 def accum(n):

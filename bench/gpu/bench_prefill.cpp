@@ -2,8 +2,11 @@
 // timed with CUDA events over CUDA-graph replays on random data, in TFLOP/s. Writes JSON that
 // bench/gpu/report_prefill.py merges with peers_prefill.py's torch figures.
 //
-//   bench_prefill --out ours.json [--quick]
+//   bench_prefill --out ours.json [--quick] [--only SUBSTR[,SUBSTR...]]
 //
+// --only keeps the points whose label ("causal-d128 b4 ctx0 q4096 h32/8 d128 auto",
+// "vit-mha b32 s577 h16 d80") contains one of the substrings: the variant sweeps of a tuning
+// run time only what they change.
 // FLOPs counted: 4 * head_size per visible (query, key) pair per query head (QK^T and PV,
 // 2 FLOPs per multiply-add), i.e. 4 * q * k * d halved for a causal square; a chunk of q
 // tokens over c cached ones sees sum_i (c + i + 1) keys. Nothing else is counted.
@@ -216,14 +219,22 @@ std::vector<Shape> shapes(bool quick) {
 int main(int argc, char** argv) {
   std::string out = "bench_prefill.json";
   bool quick = false;
+  std::vector<std::string> only;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--out" && i + 1 < argc) {
       out = argv[++i];
     } else if (a == "--quick") {
       quick = true;
+    } else if (a == "--only" && i + 1 < argc) {
+      std::string list = argv[++i];
+      for (size_t at = 0; at <= list.size();) {
+        const size_t comma = std::min(list.find(',', at), list.size());
+        if (comma > at) only.push_back(list.substr(at, comma - at));
+        at = comma + 1;
+      }
     } else {
-      std::fprintf(stderr, "usage: bench_prefill [--out FILE] [--quick]\n");
+      std::fprintf(stderr, "usage: bench_prefill [--out FILE] [--quick] [--only SUBSTR,...]\n");
       return 2;
     }
   }
@@ -242,7 +253,15 @@ int main(int argc, char** argv) {
     doc["gpu"] = prop.name;
     doc["sms"] = prop.multiProcessorCount;
     json results = json::array();
+    auto wanted = [&](const std::string& name) {
+      if (only.empty()) return true;
+      for (const std::string& o : only) {
+        if (name.find(o) != std::string::npos) return true;
+      }
+      return false;
+    };
     for (const Shape& s : shapes(quick)) {
+      if (!wanted(label(s))) continue;
       json r = run_point(*backend, s, quick, rng, stream);
       if (r.contains("us")) {
         std::printf("%-52s %10.1f us  %6.1f TFLOP/s\n", r["label"].get<std::string>().c_str(),
@@ -257,6 +276,9 @@ int main(int argc, char** argv) {
     for (int seq : {577, 1025}) {
       for (int d : {64, 80}) {
         if (quick && (seq != 577 || d != 64)) continue;
+        char name[128];
+        std::snprintf(name, sizeof name, "vit-mha b32 s%d h16 d%d", seq, d);
+        if (!wanted(name)) continue;
         json r = run_mha_point(32, seq, 16, d, quick, rng, stream);
         std::printf("%-52s %10.1f us  %6.1f TFLOP/s\n", r["label"].get<std::string>().c_str(),
                     r["us"].get<double>(), r["tflops"].get<double>());

@@ -99,20 +99,23 @@ struct Sm90Layout {
   int q_offset = 0;      ///< Q [panels][kBlockM][64]
   int stage_offset = 0;  ///< [kStages] { K [panels][kBlockN][64], V the same }
   int stage_bytes = 0;
+  int raw_offset = 0;    ///< fp8 caches: [K, V][kBlockN][head_size] raw codes of the next tile
   int table_offset = 0;  ///< [kStages][kBlockN] {K, V} int64 row byte offsets (producer)
   int bar_offset = 0;    ///< mbarriers: q_full, K full / V full / K empty / V empty [kStages]
   int total = 0;         ///< including 1024 bytes to align the dynamic base
 };
 
-constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int stages) {
+constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int stages,
+                                 int kv_elem_bytes) {
   Sm90Layout s;
-  const int panels = head_size / 64;
+  const int panels = (head_size + 63) / 64;  // a last panel of 16-48 columns is partly unused
   s.q_panel = block_m * 128;
   s.kv_panel = block_n * 128;
   s.q_offset = 0;
   s.stage_offset = panels * s.q_panel;
   s.stage_bytes = 2 * panels * s.kv_panel;
-  s.table_offset = s.stage_offset + stages * s.stage_bytes;
+  s.raw_offset = s.stage_offset + stages * s.stage_bytes;
+  s.table_offset = s.raw_offset + (kv_elem_bytes == 1 ? 2 * block_n * head_size : 0);
   s.bar_offset = s.table_offset + stages * block_n * 16;
   s.total = s.bar_offset + (1 + 4 * stages) * 8 + 1024;
   return s;
@@ -120,19 +123,27 @@ constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int st
 
 /// The Hopper (sm_90a) prefill kernel: a producer warpgroup gathers K/V rows with cp.async
 /// into a two-stage ring on mbarriers, two consumer warpgroups of 64 query rows run
-/// S = Q K^T (wgmma, both operands in smem) and O += P V (wgmma, P from registers).
+/// S = Q K^T (wgmma, both operands in smem) and O += P V (wgmma, P from registers). fp8 caches
+/// (kFp8) land raw in a staging buffer and the producer widens them exactly to the activation
+/// type into the ring, so the consumers run the 16-bit products unchanged. Head sizes
+/// that are not whole panels (80, 96, 192) leave the last panel's tail unwritten: S's k-steps
+/// stop at head_size and P V's n extent is head_size, so neither reads it.
 template <DType kAct, KVKind kKV, int kHeadSize>
 struct Sm90Traits {
   static constexpr DType act = kAct;
   static constexpr KVKind kv = kKV;
   static constexpr int head_size = kHeadSize;
   static_assert(kAct == DType::kF16 || kAct == DType::kBF16);
-  static_assert(kKV == KVKind::kSame, "fp8 caches use the portable kernel");
-  static_assert(kHeadSize % 64 == 0 && kHeadSize <= 256, "whole 128-byte panels");
-  static constexpr int kConsumers = 2;  ///< consumer warpgroups
+  static_assert(kKV == KVKind::kSame || kKV == KVKind::kFp8);
+  static constexpr int kKvBytes = kKV == KVKind::kSame ? 2 : 1;
+  static_assert(kHeadSize % 16 == 0 && kHeadSize >= 64 && kHeadSize <= 256,
+                "wgmma k-steps of 16 and n <= 256");
+  static constexpr int kPanels = (kHeadSize + 63) / 64;  ///< 64-column panels of Q, K and V
+  static constexpr int kConsumers = 2;                   ///< consumer warpgroups of 64 rows
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kBlockM = 64 * kConsumers;
-  /// Keys per stage: 128 (FA3's causal d128 tile), 64 at d256 where O takes 128 registers.
+  /// Keys per stage: 128 (FA3's causal d128 tile), 64 above d128 where O takes 96-128
+  /// registers.
 #ifdef PAGEDATTN_SM90_BLOCK_N  // experiments
   static constexpr int kBlockN = PAGEDATTN_SM90_BLOCK_N;
   static constexpr int kStages = PAGEDATTN_SM90_STAGES;
@@ -142,10 +153,23 @@ struct Sm90Traits {
 #endif
   static constexpr int kSplitAlign = kBlockN;
   /// setmaxnreg budgets: 128 x 40 + 256 x 232 = 64512 <= 65536 registers.
+#ifdef PAGEDATTN_SM90_CONSUMER_REGS  // experiments: 240 with 24 for the producer
+  static constexpr int kConsumerRegs = PAGEDATTN_SM90_CONSUMER_REGS;
+  static constexpr int kProducerRegs = (65536 - 128 * kConsumers * kConsumerRegs) / 128 / 8 * 8;
+#else
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
+#endif
+  /// The consumers take turns to issue their wgmmas (FlashAttention-3's warp-scheduler
+  /// barrier), so one's softmax runs while the other's products occupy the tensor cores
+  /// instead of both waiting on the same tile's products at once.
+#ifdef PAGEDATTN_SM90_PINGPONG
+  static constexpr bool kPingpong = PAGEDATTN_SM90_PINGPONG != 0;
+#else
+  static constexpr bool kPingpong = false;
+#endif
   static constexpr Sm90Layout layout() {
-    return sm90_layout(kHeadSize, kBlockM, kBlockN, kStages);
+    return sm90_layout(kHeadSize, kBlockM, kBlockN, kStages, kKvBytes);
   }
   static_assert(layout().total <= decode::kMaxSmemPerCta);
 };

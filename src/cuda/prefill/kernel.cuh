@@ -62,8 +62,9 @@ __device__ __forceinline__ ThreadRow thread_row(const DecodeParams& p, const dec
 // Scale, soft cap, ALiBi and mask of one kBlockN-key tile of S for one m16 tile (this
 // thread's rows row_a and row_a + 8), then the online-softmax update of m and l: s becomes P
 // and corr the factor O must be rescaled by (rescale_o; the Hopper kernel does that only once
-// the previous P V has finished).
-template <int kSn>
+// the previous P V has finished). kFeatures false compiles soft cap and ALiBi out: their
+// branches alone made ptxas spill 20-100 bytes in the Hopper kernel's main loop.
+template <int kSn, bool kFeatures = true>
 __device__ __forceinline__ void softmax_scores(const DecodeParams& p, const decode::Work& w,
                                                float (&s)[kSn][4], int row_a, int tile_start,
                                                bool need_mask, int t4, float (&m)[2], float (&l)[2],
@@ -71,14 +72,14 @@ __device__ __forceinline__ void softmax_scores(const DecodeParams& p, const deco
   // Without soft cap or ALiBi the scores stay raw and the scale joins the exponent (one FFMA
   // per score instead of a multiply and a subtraction; max(s) * f = max(s * f) for f > 0).
   float f = p.scale_log2;
-  if (p.softcap > 0.0f) {
+  if (kFeatures && p.softcap > 0.0f) {
 #pragma unroll
     for (int nt = 0; nt < kSn; ++nt) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) s[nt][c] = p.softcap_log2 * tanhf(s[nt][c] * p.softcap_arg_scale);
     }
     f = 1.0f;
-  } else if (p.alibi_slopes != nullptr) {
+  } else if (kFeatures && p.alibi_slopes != nullptr) {
 #pragma unroll
     for (int nt = 0; nt < kSn; ++nt) {
 #pragma unroll
@@ -86,7 +87,8 @@ __device__ __forceinline__ void softmax_scores(const DecodeParams& p, const deco
     }
     f = 1.0f;
   }
-  if (p.alibi_slopes != nullptr || need_mask) {
+  const bool alibi = kFeatures && p.alibi_slopes != nullptr;
+  if (alibi || need_mask) {
     const ThreadRow rows[2] = {thread_row(p, w, row_a), thread_row(p, w, row_a + 8)};
 #pragma unroll
     for (int nt = 0; nt < kSn; ++nt) {
@@ -95,7 +97,7 @@ __device__ __forceinline__ void softmax_scores(const DecodeParams& p, const deco
         const ThreadRow& rw = rows[c >> 1];
         const int j = tile_start + nt * 8 + 2 * t4 + (c & 1);
         float x = s[nt][c];
-        if (p.alibi_slopes != nullptr) x += rw.alibi2 * float(j - rw.pos);
+        if (alibi) x += rw.alibi2 * float(j - rw.pos);
         if (need_mask && (j < rw.lo || j >= rw.hi)) x = -INFINITY;
         s[nt][c] = x;
       }
@@ -488,46 +490,50 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
     store_rows<T::act>(p, w, o[mt], m[mt], l[mt], wrow0 + mt * 16 + g, t4);
 }
 
-// Host side of a prefill kernel `kernel` of traits T (T::kThreads, T::layout().total), shared
+// Host side of a prefill kernel `kKernel` of traits T (T::kThreads, T::layout().total), shared
 // by the portable and the Hopper kernels: the dynamic shared memory limit raised once per device
-// (benign if two threads race), the launch over q tiles x requests x KV heads and splits, and
-// the occupancy the split planner reads.
+// and kernel (benign if two threads race), the launch over q tiles x requests x KV heads and
+// splits, and the occupancy the split planner reads.
 template <class T>
 struct PrefillHost {
-  static void prepare(void (*kernel)(DecodeParams), int device) {
-    static std::atomic<uint64_t> done{0};
+  using Kernel = void (*)(DecodeParams);
+  template <Kernel kKernel>
+  static void prepare(int device) {
+    static std::atomic<uint64_t> done{0};  // one per kernel: a bit per device
     const uint64_t bit = uint64_t(1) << (device & 63);
     if (done.load(std::memory_order_acquire) & bit) return;
-    PAGEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    PAGEDATTN_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               T::layout().total));
     done.fetch_or(bit, std::memory_order_acq_rel);
   }
-  static void launch(void (*kernel)(DecodeParams), const DecodeParams& p, cudaStream_t stream) {
+  template <Kernel kKernel>
+  static void launch(const DecodeParams& p, cudaStream_t stream) {
     const dim3 grid(unsigned(p.num_q_tiles) * unsigned(p.num_seqs) * unsigned(p.num_kv_heads),
                     unsigned(p.num_splits));
     if (grid.x == 0 || grid.y == 0) return;
     int device = 0;
     PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-    prepare(kernel, device);
-    decode::launch_with_pdl(kernel, grid, dim3(T::kThreads), T::layout().total, stream, p);
+    prepare<kKernel>(device);
+    decode::launch_with_pdl(kKernel, grid, dim3(T::kThreads), T::layout().total, stream, p);
   }
-  static int ctas_per_sm(void (*kernel)(DecodeParams), int device) {
-    prepare(kernel, device);
+  template <Kernel kKernel>
+  static int ctas_per_sm(int device) {
+    prepare<kKernel>(device);
     int n = 0;
     PAGEDATTN_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, T::kThreads, T::layout().total));
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, T::kThreads, T::layout().total));
     return n;
   }
 };
 
 template <class T>
 void PrefillOps<T>::launch(const DecodeParams& p, cudaStream_t stream) {
-  PrefillHost<T>::launch(prefill_kernel<T>, p, stream);
+  PrefillHost<T>::template launch<prefill_kernel<T>>(p, stream);
 }
 
 template <class T>
 int PrefillOps<T>::ctas_per_sm(int device) {
-  return PrefillHost<T>::ctas_per_sm(prefill_kernel<T>, device);
+  return PrefillHost<T>::template ctas_per_sm<prefill_kernel<T>>(device);
 }
 
 }  // namespace pagedattn::cuda::prefill

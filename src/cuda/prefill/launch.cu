@@ -15,14 +15,14 @@ const std::vector<PrefillKernel>& prefill_kernels() {
    Traits<DType::act, KVKind::kv, head_size>::kBlockM,             \
    &PrefillOps<Traits<DType::act, KVKind::kv, head_size>>::launch, \
    &PrefillOps<Traits<DType::act, KVKind::kv, head_size>>::ctas_per_sm},
-#define PAGEDATTN_PREFILL_SM90_INSTANCE(act, head_size)                       \
-  {DType::act,                                                                \
-   KVKind::kSame,                                                             \
-   head_size,                                                                 \
-   90,                                                                        \
-   Sm90Traits<DType::act, KVKind::kSame, head_size>::kBlockM,                 \
-   &PrefillSm90Ops<Sm90Traits<DType::act, KVKind::kSame, head_size>>::launch, \
-   &PrefillSm90Ops<Sm90Traits<DType::act, KVKind::kSame, head_size>>::ctas_per_sm},
+#define PAGEDATTN_PREFILL_SM90_INSTANCE(act, kv, head_size)                \
+  {DType::act,                                                             \
+   KVKind::kv,                                                             \
+   head_size,                                                              \
+   90,                                                                     \
+   Sm90Traits<DType::act, KVKind::kv, head_size>::kBlockM,                 \
+   &PrefillSm90Ops<Sm90Traits<DType::act, KVKind::kv, head_size>>::launch, \
+   &PrefillSm90Ops<Sm90Traits<DType::act, KVKind::kv, head_size>>::ctas_per_sm},
 #include "cuda/prefill/inst/instances.inc"
 #undef PAGEDATTN_PREFILL_INSTANCE
 #undef PAGEDATTN_PREFILL_SM90_INSTANCE

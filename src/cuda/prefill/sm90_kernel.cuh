@@ -3,7 +3,8 @@
 // Map
 //   computes  what prefill/kernel.cuh computes (same rows, routing, splits, masks, features and
 //             outputs: prefill_work, softmax_scores and store_rows are shared), for 16-bit
-//             activations over a cache of the same type at head sizes 64, 128, 256.
+//             activations over a cache of the same type or fp8 (e4m3 / e5m2, widened by the
+//             producer) at head sizes 64 to 256 (multiples of 16; fp8 to 192).
 //   grid      as the portable kernel: x = q tiles (slowest, reversed) x requests x KV heads,
 //             y = splits; kBlockM = 128 packed rows per CTA, 384 threads.
 //   warps     warpgroup 0 (producer, 40 registers): Q once, then the K and the V tile of
@@ -55,12 +56,13 @@ template <class T>
 __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Work& w,
                                         unsigned char* smem, Barriers<T::kStages> bars,
                                         int n_tiles);
-template <class T>
+template <class T, bool kFeatures>
 __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Work& w,
                                         unsigned char* smem, Barriers<T::kStages> bars,
                                         int n_tiles);
 
-template <class T>
+// kFeatures: soft cap and ALiBi compiled in (a second instance; see softmax_scores).
+template <class T, bool kFeatures>
 __global__ void __launch_bounds__(T::kThreads, 1)
     prefill_sm90_kernel(const __grid_constant__ DecodeParams p) {
   constexpr Sm90Layout lay = T::layout();
@@ -91,7 +93,95 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   if (threadIdx.x < 128) {
     produce<T>(p, w, smem, bars, n_tiles);
   } else {
-    consume<T>(p, w, smem, bars, n_tiles);
+    consume<T, kFeatures>(p, w, smem, bars, n_tiles);
+  }
+}
+
+// fp8 caches: the producer's loop. Each thread copies its own 16-byte chunks of codes (16
+// keys' worth of one row) into the staging buffer with cp.async, waits for them, and widens them
+// exactly (decode::Fp8Widen: k_scale and v_scale stay in the softmax scale and the output
+// factor) into two 16-byte chunks of the swizzled panels; no other thread reads what it
+// staged, so no barrier is needed between copy and widening. The next tile's K is copied
+// while this tile's V is widened, and its V while the next K is, so a copy's latency is
+// hidden behind one widening.
+template <class T, class FillTable>
+__device__ __forceinline__ void produce_fp8(const DecodeParams& p, unsigned char* smem,
+                                            Barriers<T::kStages> bars, int n_tiles,
+                                            const char* k_head, const char* v_head,
+                                            FillTable& fill_table) {
+  constexpr int D = T::head_size, kBlockN = T::kBlockN, kStages = T::kStages;
+  constexpr int kRaw = D / 16;  // 16-byte chunks of codes per row
+  constexpr int kLanes = kRaw <= 4 ? 4 : kRaw <= 8 ? 8 : 16;
+  constexpr int kRowsPerPass = 128 / kLanes;
+  static_assert(kRaw <= kLanes && kBlockN % kRowsPerPass == 0);
+  constexpr Sm90Layout lay = T::layout();
+  const int ct = int(threadIdx.x);
+  const int col = ct % kLanes, r0 = ct / kLanes;
+  const bool copies = col < kRaw;
+  // Widened, the chunk is 16-bit chunks 2 col and 2 col + 1 of the row: one panel.
+  const int c16 = 2 * col;
+  const uint32_t panel_at = (c16 >> 3) * lay.kv_panel;
+  const uint32_t raw0 = sm80::smem_addr(smem + lay.raw_offset) + col * 16;
+  const decode::Fp8Widen<T::act> widen(p.kv_dtype == int(DType::kFp8E5M2));
+  auto stage_codes = [&](int which, const char* head, const int64_t* table) {
+    if (!copies) return;
+    const uint32_t dst0 = raw0 + which * kBlockN * D;
+#pragma unroll 4
+    for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+      const int row = r0 + i * kRowsPerPass;
+      const int64_t off = table[2 * row + which];
+      sm80::cp_async_16(dst0 + row * D, head + (off >= 0 ? off : 0) + col * 16, off >= 0 ? 16 : 0,
+                        0);
+    }
+  };
+  auto widen_codes = [&](int which, unsigned char* panels) {
+    if (copies) {
+      const unsigned char* raw = smem + lay.raw_offset + which * kBlockN * D + col * 16;
+      unsigned char* const dst = panels + panel_at;
+#pragma unroll 2
+      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+        const int row = r0 + i * kRowsPerPass;
+        const uint4 codes = *reinterpret_cast<const uint4*>(raw + row * D);
+        const uint32_t wds[4] = {codes.x, codes.y, codes.z, codes.w};
+        uint32_t out[8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t lo = widen.lo(wds[k]), hi = widen.hi(wds[k]);  // bytes {0, 2}, {1, 3}
+          out[2 * k] = sm80::prmt(lo, hi, 0x5410);
+          out[2 * k + 1] = sm80::prmt(lo, hi, 0x7632);
+        }
+        *reinterpret_cast<uint4*>(dst + sm90::sw128_offset(row, c16 & 7)) =
+            make_uint4(out[0], out[1], out[2], out[3]);
+        *reinterpret_cast<uint4*>(dst + sm90::sw128_offset(row, (c16 + 1) & 7)) =
+            make_uint4(out[4], out[5], out[6], out[7]);
+      }
+    }
+    ptx::fence_proxy_async(ptx::space_shared);  // generic stores, then the wgmmas read them
+  };
+  if (n_tiles > 0) {
+    const int64_t* const table = fill_table(0);
+    stage_codes(0, k_head, table);
+    sm80::cp_async_commit();
+    stage_codes(1, v_head, table);
+    sm80::cp_async_commit();
+  }
+  for (int j = 0; j < n_tiles; ++j) {
+    const int s = j % kStages;
+    const uint32_t free_parity = ((j / kStages) & 1) ^ 1;  // tile j - kStages released
+    unsigned char* const sk = smem + lay.stage_offset + s * lay.stage_bytes;
+    sm80::cp_async_wait<1>();  // K_j staged (V_j may still be in flight)
+    mbar_wait(bars.k_empty(s), free_parity);
+    widen_codes(0, sk);
+    ptx::mbarrier_arrive(bars.k_full(s));
+    const int64_t* const next = j + 1 < n_tiles ? fill_table(j + 1) : nullptr;
+    if (next != nullptr) stage_codes(0, k_head, next);
+    sm80::cp_async_commit();
+    sm80::cp_async_wait<1>();  // V_j staged
+    mbar_wait(bars.v_empty(s), free_parity);
+    widen_codes(1, sk + T::kPanels * lay.kv_panel);
+    ptx::mbarrier_arrive(bars.v_full(s));
+    if (next != nullptr) stage_codes(1, v_head, next);
+    sm80::cp_async_commit();
   }
 }
 
@@ -113,42 +203,23 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   }
   ptx::cp_async_mbarrier_arrive_noinc(bars.q_full());
 
-  const int64_t k_sb = p.k_stride_block * 2, k_sp = p.k_stride_page * 2;
-  const int64_t v_sb = p.v_stride_block * 2, v_sp = p.v_stride_page * 2;
+  constexpr int kEb = T::kKvBytes;
+  const int64_t k_sb = p.k_stride_block * kEb, k_sp = p.k_stride_page * kEb;
+  const int64_t v_sb = p.v_stride_block * kEb, v_sp = p.v_stride_page * kEb;
   const char* const k_head =
-      static_cast<const char*>(p.k) + int64_t(w.kv_head) * p.k_stride_head * 2;
+      static_cast<const char*>(p.k) + int64_t(w.kv_head) * p.k_stride_head * kEb;
   const char* const v_head =
-      static_cast<const char*>(p.v) + int64_t(w.kv_head) * p.v_stride_head * 2;
+      static_cast<const char*>(p.v) + int64_t(w.kv_head) * p.v_stride_head * kEb;
   const int bs_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
   const int32_t* const bt_row = p.block_table + int64_t(w.r) * p.block_table_stride_seq;
-  // Every chunk of the tile's rows (16 B each) into the swizzled panels of `dst`; `pick` 0
-  // copies K (table .x), 1 copies V (table .y).
-  // Thread ct copies chunk column ct % kChunks of rows ct / kChunks + i * kRowsPerPass: its
-  // column, panel and (for passes of 8 or 16 rows) swizzle stay fixed, so a chunk costs one
-  // table read, one add and the copy (the per-chunk index math was most of the producer's
-  // ALU work: ncu showed the ALU pipe as the busiest at 36%).
-  constexpr int kRowsPerPass = 128 / kChunks;
-  static_assert(128 % kChunks == 0 && kBlockN % kRowsPerPass == 0);
-  const int col = ct % kChunks, r0 = ct / kChunks;
-  const uint32_t col_at = (col >> 3) * lay.kv_panel;
-  const int col_bytes = col * 16;
-  auto copy_tile = [&](unsigned char* dst, const char* head, const int64_t* table, int pick) {
-    const uint32_t dst0 = sm80::smem_addr(dst) + col_at;
-#pragma unroll 4
-    for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
-      const int row = r0 + i * kRowsPerPass;
-      const int64_t off = table[2 * row + pick];
-      sm80::cp_async_16(dst0 + sm90::sw128_offset(row, col & 7),
-                        head + (off >= 0 ? off : 0) + col_bytes, off >= 0 ? 16 : 0, 0);
-    }
-  };
-  for (int j = 0; j < n_tiles; ++j) {
-    const int s = j % kStages;
-    const uint32_t free_parity = ((j / kStages) & 1) ^ 1;  // tile j - kStages released
-    int64_t* const table = reinterpret_cast<int64_t*>(smem + lay.table_offset) + s * 2 * kBlockN;
+  // Tile j's rows' byte offsets {K, V} into table slot j % kStages (-1: past the split, so
+  // zero-filled and masked), then a barrier of the producer warpgroup.
+  auto fill_table = [&](int j) {
+    int64_t* const table =
+        reinterpret_cast<int64_t*>(smem + lay.table_offset) + (j % kStages) * 2 * kBlockN;
     if (ct < kBlockN) {
       const int pos = w.kv_begin + j * kBlockN + ct;
-      int64_t k_off = -1, v_off = -1;  // -1: past the split (zero-filled, masked)
+      int64_t k_off = -1, v_off = -1;
       if (pos < w.kv_end) {
         if (p.kv_direct) {
           k_off = (int64_t(w.q_begin) + pos) * k_sb;
@@ -164,19 +235,56 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
       table[2 * ct] = k_off;
       table[2 * ct + 1] = v_off;
     }
-    sm90::named_barrier_sync(1, 128);  // the table is complete (and slot s of tile j - 2 unread)
+    sm90::named_barrier_sync(1, 128);  // complete (and slot j % 2, of tile j - 2, unread)
+    return table;
+  };
+  if constexpr (T::kv == KVKind::kFp8) {
+    produce_fp8<T>(p, smem, bars, n_tiles, k_head, v_head, fill_table);
+    return;
+  }
+  // Every chunk of the tile's rows (16 B each) into the swizzled panels of `dst`; `pick` 0
+  // copies K (table .x), 1 copies V (table .y).
+  // Thread ct copies chunk column ct % kLanes of rows ct / kLanes + i * kRowsPerPass: its
+  // column, panel and (for passes of 8 or 16 rows) swizzle stay fixed, so a chunk costs one
+  // table read, one add and the copy (the per-chunk index math was most of the producer's
+  // ALU work: ncu showed the ALU pipe as the busiest at 36%).
+  // Head sizes whose chunk count is not a power of two (80, 96, 192) give each row the next
+  // power of two of lanes and leave the extra lanes idle: the fixed per-thread column is worth
+  // more than the idle quarter of the copies' issue slots.
+  constexpr int kLanes = kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
+  constexpr int kRowsPerPass = 128 / kLanes;
+  static_assert(kChunks <= kLanes && kBlockN % kRowsPerPass == 0);
+  const int col = ct % kLanes, r0 = ct / kLanes;
+  const bool copies = col < kChunks;
+  const uint32_t col_at = (col >> 3) * lay.kv_panel;
+  const int col_bytes = col * 16;
+  auto copy_tile = [&](unsigned char* dst, const char* head, const int64_t* table, int pick) {
+    if (!copies) return;
+    const uint32_t dst0 = sm80::smem_addr(dst) + col_at;
+#pragma unroll 4
+    for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+      const int row = r0 + i * kRowsPerPass;
+      const int64_t off = table[2 * row + pick];
+      sm80::cp_async_16(dst0 + sm90::sw128_offset(row, col & 7),
+                        head + (off >= 0 ? off : 0) + col_bytes, off >= 0 ? 16 : 0, 0);
+    }
+  };
+  for (int j = 0; j < n_tiles; ++j) {
+    const int s = j % kStages;
+    const uint32_t free_parity = ((j / kStages) & 1) ^ 1;  // tile j - kStages released
+    const int64_t* const table = fill_table(j);
     unsigned char* const sk = smem + lay.stage_offset + s * lay.stage_bytes;
     mbar_wait(bars.k_empty(s), free_parity);
     copy_tile(sk, k_head, table, 0);
     ptx::cp_async_mbarrier_arrive_noinc(bars.k_full(s));
     mbar_wait(bars.v_empty(s), free_parity);
-    copy_tile(sk + (D / 64) * lay.kv_panel, v_head, table, 1);
+    copy_tile(sk + T::kPanels * lay.kv_panel, v_head, table, 1);
     ptx::cp_async_mbarrier_arrive_noinc(bars.v_full(s));
   }
   sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
 }
 
-template <class T>
+template <class T, bool kFeatures>
 __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Work& w,
                                         unsigned char* smem, Barriers<T::kStages> bars,
                                         int n_tiles) {
@@ -203,6 +311,18 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset) + wg_row0 * 128;
   const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
   auto parity = [](int j) { return uint32_t((j / kStages) & 1); };
+  // Turn-taking of the consumers (T::kPingpong): named barrier 2 + c is warpgroup c's turn;
+  // each takes its turn once per tile (computed or skipped, so the counts always pair up),
+  // issues, and hands the turn to the next warpgroup in a ring. Warpgroup 0 holds the first.
+  auto turn_begin = [&] {
+    if constexpr (T::kPingpong) sm90::named_barrier_sync(2 + cw, 256);
+  };
+  auto turn_end = [&] {
+    if constexpr (T::kPingpong) sm90::named_barrier_arrive(2 + (cw + 1) % T::kConsumers, 256);
+  };
+  if constexpr (T::kPingpong) {
+    if (cw == 0) sm90::named_barrier_arrive(2, 256);
+  }
   // S = Q K^T of the tile in stage s (K-major operands: 16 columns are +32 B in a panel).
   auto issue_s = [&](float(&sacc)[kSn][4], int s) {
     const uint32_t k_base = stage0 + s * lay.stage_bytes;
@@ -220,7 +340,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   };
   // O += P V of the tile in stage s (V is MN-major: 16 keys are +2048 B, panels lbo apart).
   auto issue_pv = [&](int s) {
-    const uint32_t v_base = stage0 + s * lay.stage_bytes + (D / 64) * lay.kv_panel;
+    const uint32_t v_base = stage0 + s * lay.stage_bytes + T::kPanels * lay.kv_panel;
     sm90::fence_operands(o);
     sm90::wgmma_fence();
 #pragma unroll
@@ -233,7 +353,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   auto softmax = [&](float(&sacc)[kSn][4], int j, float(&corr)[2]) {
     const int ts = w.kv_begin + j * kBlockN;
     const bool need_mask = !(ts >= span.mask_lo && ts + kBlockN <= span.mask_hi);
-    softmax_scores<kSn>(p, w, sacc, row_a, ts, need_mask, t4, m, l, corr);
+    softmax_scores<kSn, kFeatures>(p, w, sacc, row_a, ts, need_mask, t4, m, l, corr);
   };
   auto pack = [&](const float(&sacc)[kSn][4]) {
 #pragma unroll
@@ -244,6 +364,8 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   auto skip = [&](int j) {
     const int s = j % kStages;
     mbar_wait(bars.k_full(s), parity(j));
+    turn_begin();
+    turn_end();
     ptx::mbarrier_arrive(bars.k_empty(s));
     mbar_wait(bars.v_full(s), parity(j));
     ptx::mbarrier_arrive(bars.v_empty(s));
@@ -264,7 +386,9 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
       mbar_wait(bars.k_full(s), parity(j_lo));
       ptx::fence_proxy_async(ptx::space_shared);
       float sacc[kSn][4], corr[2];
+      turn_begin();
       issue_s(sacc, s);
+      turn_end();
       sm90::wgmma_wait<0>();
       sm90::fence_operands(sacc);
       softmax(sacc, j_lo, corr);  // O is still zero: nothing to rescale
@@ -277,8 +401,10 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
       mbar_wait(bars.v_full(prev), parity(j - 1));
       ptx::fence_proxy_async(ptx::space_shared);
       float sacc[kSn][4], corr[2];
+      turn_begin();
       issue_s(sacc, s);
       issue_pv(prev);
+      turn_end();
       sm90::wgmma_wait<1>();  // S_j done; P V of tile j - 1 still runs
       sm90::fence_operands(sacc);
       softmax(sacc, j, corr);
@@ -303,12 +429,17 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
 
 template <class T>
 void PrefillSm90Ops<T>::launch(const DecodeParams& p, cudaStream_t stream) {
-  PrefillHost<T>::launch(prefill_sm90_kernel<T>, p, stream);
+  if (p.softcap > 0.0f || p.alibi_slopes != nullptr) {
+    PrefillHost<T>::template launch<prefill_sm90_kernel<T, true>>(p, stream);
+  } else {
+    PrefillHost<T>::template launch<prefill_sm90_kernel<T, false>>(p, stream);
+  }
 }
 
 template <class T>
 int PrefillSm90Ops<T>::ctas_per_sm(int device) {
-  return PrefillHost<T>::ctas_per_sm(prefill_sm90_kernel<T>, device);
+  // Both instances take one CTA per SM (384 threads, the same shared memory).
+  return PrefillHost<T>::template ctas_per_sm<prefill_sm90_kernel<T, false>>(device);
 }
 
 }  // namespace pagedattn::cuda::prefill
