@@ -260,6 +260,7 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
       ptx::fence_proxy_async(ptx::space_shared);
       ptx::mbarrier_arrive(bars.full(0));
     }
+    sm80::cp_async_wait<0>();  // Q's copies too, when there was no tile
   }
 }
 
