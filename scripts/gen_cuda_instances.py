@@ -44,8 +44,9 @@ PREFILL = DECODE_MMA
 # 64-column panels.
 PREFILL_SM90 = [(a, d) for a in ["f16", "bf16"] for d in [64, 128, 256]]
 # MLA decode (sm_90a wgmma): 16-bit activations over a latent cache of the same type or fp8
-# e4m3, one latent head of 576; its own split combine (576 columns) per activation.
-MLA = [(a, kv) for a in ["f16", "bf16"] for kv in ["same", "fp8"]]
+# e4m3, one latent head of 576, S per warpgroup whole ("") or split between the two ("split_s",
+# experimental); its own split combine (576 columns) per activation.
+MLA = [(a, kv, v) for a in ["f16", "bf16"] for kv in ["same", "fp8"] for v in ["", "split_s"]]
 MLA_COMBINE = ["f16", "bf16"]
 
 KV_KIND = {"same": "kSame", "fp8": "kFp8", "any": "kAny"}
@@ -117,10 +118,11 @@ def family_files():
     files[CUDA / "prefill" / "inst" / "instances.inc"] = "".join(inc)
 
     inc = [HEADER]
-    for a, kv in MLA:
-        files[CUDA / "mla" / "inst" / f"mla_{a}_{kv}.cu"] = instance_file(
-            "mla", "kernel.cuh", f"MlaOps<Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}>>")
-        inc.append(f"PAGEDATTN_MLA_INSTANCE({DTYPE[a]}, {KV_KIND[kv]})\n")
+    for a, kv, v in MLA:
+        split = "true" if v else "false"
+        files[CUDA / "mla" / "inst" / f"mla_{a}_{kv}{'_' + v if v else ''}.cu"] = instance_file(
+            "mla", "kernel.cuh", f"MlaOps<Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {split}>>")
+        inc.append(f"PAGEDATTN_MLA_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {split})\n")
     for a in MLA_COMBINE:
         files[CUDA / "mla" / "inst" / f"mla_combine_{a}.cu"] = instance_file(
             "mla", "combine.cuh", f"MlaCombineOps<DType::{DTYPE[a]}>")

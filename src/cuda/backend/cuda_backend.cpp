@@ -64,6 +64,12 @@ BackendOptions backend_options_from_env() {
                     : v == "cp.async" ? DecodeCopy::kCpAsync
                                       : DecodeCopy::kAuto;
   }
+  if (const char* s = std::getenv(kMlaEnvVar); s && *s) {
+    const std::string v(s);
+    require(v == "redundant" || v == "split-s", kMlaEnvVar, " ('", v,
+            "') must be redundant or split-s");
+    o.mla_split_s = v == "split-s";
+  }
   return o;
 }
 
@@ -156,9 +162,10 @@ class CudaBackend final : public Backend {
     int device = 0;
     if (md.seq_lens.defined() && md.seq_lens.device.is_cuda()) device = md.seq_lens.device.index;
     std::unique_ptr<CudaPlan> plan;
-    const mla::MlaKernel* mla_kernel = is_mla_shape(config) && mla_reasons(config).empty()
-                                           ? mla::find_mla(config.dtype, cache)
-                                           : nullptr;
+    const mla::MlaKernel* mla_kernel =
+        is_mla_shape(config) && mla_reasons(config).empty()
+            ? mla::find_mla(config.dtype, cache, options_.mla_split_s)
+            : nullptr;
     if (mla_kernel != nullptr && device < visible_device_count()) {
       // Every request's rows on CTAs of mla::kBlockM (route_rows 0: the "prefill" row count).
       plan = make_plan(md, config, device_props(device).num_sms,

@@ -80,7 +80,10 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
       for (const std::string& r : reasons) all += (all.empty() ? "" : "; ") + r;
       fail<NotSupported>("cuda backend: ", all);
     }
-    mla_ = mla::find_mla(config.dtype, cache_dtype_);
+    mla_ = mla::find_mla(config.dtype, cache_dtype_, options.mla_split_s);
+    require<NotSupported>(mla_ != nullptr, "cuda backend: the ",
+                          options.mla_split_s ? "split-s " : "", "MLA kernel is not compiled for ",
+                          dtype_name(config.dtype), " over ", dtype_name(cache_dtype_));
     mla_combine_ = mla::find_mla_combine(config.dtype);
     write_ = cache_ops::find_write_kv(config.dtype, cache_dtype_);
     require<NotSupported>(write_ != nullptr, "cuda backend: write_kv is not compiled for ",

@@ -37,6 +37,8 @@ struct Layout {
   int raw_offset = 0;  ///< fp8 only: [2][64 keys][576] bytes as copied (natural order)
   int raw_bytes = 0;
   int table_offset = 0;  ///< [2][64] int64 byte offsets of a tile's rows (producer)
+  int p_offset = 0;      ///< split-S only: P [64 rows][64 keys] 16-bit, one swizzled panel
+  int xchg_offset = 0;   ///< split-S only: [2 warpgroups][64 rows] float row maxima / sums
   int bar_offset = 0;    ///< mbarriers: q_full, full[stages], empty[stages]
   int total = 0;         ///< including 1024 bytes to align the dynamic base
 };
@@ -48,24 +50,31 @@ constexpr int stages_for(KVKind kv) {
   return kv == KVKind::kSame ? 2 : 1;
 }
 
-constexpr Layout layout_for(KVKind kv) {
+constexpr Layout layout_for(KVKind kv, bool split_s) {
   Layout s;
   s.q_offset = 0;
   s.stage_offset = kPanels * s.q_panel;
   s.stage_bytes = kPanels * s.kv_panel;
   s.raw_offset = s.stage_offset + stages_for(kv) * s.stage_bytes;
   s.raw_bytes = kv == KVKind::kFp8 ? kBlockN * kEntry : 0;
-  s.table_offset = s.raw_offset + 2 * s.raw_bytes;
-  s.bar_offset = s.table_offset + 2 * kBlockN * 8;
+  // P stays 1024-aligned: 2 raw tiles or 2 stages leave the running offset a multiple of 8 KB.
+  s.p_offset = s.raw_offset + 2 * s.raw_bytes;
+  s.table_offset = s.p_offset + (split_s ? kBlockM * 128 : 0);
+  s.xchg_offset = s.table_offset + 2 * kBlockN * 8;
+  s.bar_offset = s.xchg_offset + (split_s ? 2 * kBlockM * 4 : 0);
   s.total = s.bar_offset + (1 + 2 * stages_for(kv)) * 8 + 1024;
   return s;
 }
 
-/// One compiled MLA kernel.
-template <DType kAct, KVKind kKV>
+/// One compiled MLA kernel. kSplitS false (the default route, measured): both consumer
+/// warpgroups compute the whole S of a tile. true (experimental, PAGEDATTN_CUDA_MLA=split-s):
+/// each computes S for 32 of the 64 keys, the row maxima and P go through shared memory, and
+/// both run P V over the whole tile from there, so S is computed once (FlashMLA's division).
+template <DType kAct, KVKind kKV, bool kSplitS>
 struct Traits {
   static constexpr DType act = kAct;
   static constexpr KVKind kv = kKV;
+  static constexpr bool split_s = kSplitS;
   static_assert(kAct == DType::kF16 || kAct == DType::kBF16);
   static constexpr int kStages = stages_for(kKV);
   static constexpr int kCacheBytes = kKV == KVKind::kSame ? 2 : 1;
@@ -76,8 +85,9 @@ struct Traits {
   /// setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 <= 65536 registers.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
-  static constexpr Layout layout() { return layout_for(kKV); }
+  static constexpr Layout layout() { return layout_for(kKV, kSplitS); }
   static_assert(layout().total <= kMaxSmemPerCta);
+  static_assert(layout().p_offset % 1024 == 0, "P is a swizzled wgmma operand");
 };
 
 }  // namespace pagedattn::cuda::mla

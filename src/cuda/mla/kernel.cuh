@@ -23,6 +23,13 @@
 //             of the 512 kv_c columns (wgmma RS, m64n256k16, V MN-major = panels 4 cw .. 4 cw
 //             + 3 of the same tile) and for the 64 k_pe columns (m64n64k16, panel 8; both
 //             warpgroups, warpgroup 1 stores them): 160 fp32 accumulators per thread.
+//   split-S   (Traits::split_s, experimental, PAGEDATTN_CUDA_MLA=split-s; never run on a GPU
+//             yet) warpgroup c computes S only for keys 32 c .. 32 c + 31 (m64n32k16), the two
+//             exchange row maxima through shared memory (named barrier 2), each writes its
+//             half of P (16-bit) into one swizzled 64 x 64 panel, and both run O += P V with P
+//             from shared memory (wgmma SS) over all 64 keys for their columns: S once per
+//             tile instead of twice. Row sums stay per warpgroup (same maxima, same
+//             rescaling) and are added at the end.
 //   sync      mbarriers through CCCL's cuda::ptx: full[s] (128 producer arrivals), empty[s]
 //             (256 consumer arrivals); phases flip every kStages tiles. Consumers fence the
 //             async proxy after a `full` wait, before their wgmmas read what the generic proxy
@@ -105,6 +112,10 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
 template <class T>
 __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsigned char* smem,
                                         Barriers<T::kStages> bars, int n_tiles);
+template <class T>
+__device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& w,
+                                                unsigned char* smem, Barriers<T::kStages> bars,
+                                                int n_tiles);
 
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_constant__ MlaParams p) {
@@ -135,6 +146,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_consta
   // One branch per role, as setmaxnreg requires.
   if (threadIdx.x < 128) {
     produce<T>(p, w, smem, bars, n_tiles);
+  } else if constexpr (T::split_s) {
+    consume_split_s<T>(p, w, smem, bars, n_tiles);
   } else {
     consume<T>(p, w, smem, bars, n_tiles);
   }
@@ -261,6 +274,75 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
       ptx::mbarrier_arrive(bars.full(0));
     }
     sm80::cp_async_wait<0>();  // Q's copies too, when there was no tile
+  }
+}
+
+// This thread's rows row_a and row_a + 8 out: normalise by the row sums (l: this thread's part,
+// a row's sum is spread over its quad), v scale; the output and LSE, or the split partials.
+// Warpgroup cw writes kv_c columns 256 cw .. 256 cw + 255; warpgroup 0 also the k_pe columns and
+// the LSE.
+template <class T>
+__device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w,
+                                           const float (&o)[32][4], const float (&o_pe)[8][4],
+                                           const float (&m)[2], const float (&l)[2], int row_a,
+                                           int t4, int cw) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float total = l[h];
+    total += __shfl_xor_sync(0xffffffffu, total, 1);
+    total += __shfl_xor_sync(0xffffffffu, total, 2);
+    const int row = row_a + 8 * h;
+    if (row >= w.num_rows) continue;
+    const int pr = w.row0 + row;
+    const int t = w.q_begin + pr / p.num_heads, head = pr % p.num_heads;
+    const float lse2 = total > 0.0f ? m[h] + log2f(total) : -INFINITY;
+    const float factor = total > 0.0f ? p.v_scale / total : 0.0f;
+    if (p.num_splits > 1) {
+      const int64_t at = (int64_t(blockIdx.y) * p.num_actual_tokens + t) * p.num_heads + head;
+      float* const dst = p.partial_o + at * kEntry + 2 * t4;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        *reinterpret_cast<float2*>(dst + 256 * cw + 8 * i) =
+            make_float2(o[i][2 * h] * factor, o[i][2 * h + 1] * factor);
+      }
+      if (cw == 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          *reinterpret_cast<float2*>(dst + 512 + 8 * i) =
+              make_float2(o_pe[i][2 * h] * factor, o_pe[i][2 * h + 1] * factor);
+        }
+        if (t4 == 0) p.partial_lse[at] = lse2;
+      }
+      continue;
+    }
+    char* const out = static_cast<char*>(p.out) +
+                      (int64_t(t) * p.out_stride_token + int64_t(head) * p.out_stride_head) * 2;
+    auto put = [&](int col, float x0, float x1) {
+      if (p.vec_out) {
+        *reinterpret_cast<uint32_t*>(out + col * 2) = pack2<T::act>(x0, x1);
+      } else {
+        store_from_float<T::act>(out, col, x0);
+        store_from_float<T::act>(out, col + 1, x1);
+      }
+    };
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      put(256 * cw + 8 * i + 2 * t4, o[i][2 * h] * factor, o[i][2 * h + 1] * factor);
+    }
+    if (cw == 0) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        put(512 + 8 * i + 2 * t4, o_pe[i][2 * h] * factor, o_pe[i][2 * h + 1] * factor);
+      }
+      if (p.lse != nullptr && t4 == 0) {
+        const int64_t at = int64_t(head) * p.lse_stride_head + int64_t(t) * p.lse_stride_token;
+        if (p.lse_is_f64) {
+          static_cast<double*>(p.lse)[at] = double(lse2 * kLn2);
+        } else {
+          static_cast<float*>(p.lse)[at] = lse2 * kLn2;
+        }
+      }
+    }
   }
 }
 
@@ -397,65 +479,169 @@ __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsig
     ptx::mbarrier_arrive(bars.empty(s));
   }
 
-  // Rows out: normalise, v scale; the output and LSE, or the split partials.
+  store_rows<T>(p, w, o, o_pe, m, l, row_a, t4, cw);
+}
+
+template <class T>
+__device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& w,
+                                                unsigned char* smem, Barriers<T::kStages> bars,
+                                                int n_tiles) {
+  constexpr int kStages = T::kStages, kHalf = kBlockN / 2, kSn = kHalf / 8;
+  constexpr bool kBF16 = T::act == DType::kBF16;
+  constexpr Layout lay = T::layout();
+  constexpr int kBarConsumers = 2;  // named barrier of the 256 consumer threads (1: producer)
+  sm90::setmaxnreg_inc<T::kConsumerRegs>();
+  const int cw = int(threadIdx.x) / 128 - 1;  // keys 32 cw .. of S; kv_c columns 256 cw ..
+  const int ct = int(threadIdx.x) % 128;
+  const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
+  const int row_a = 16 * warp + g;
+
+  int hi[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float total = l[h];
-    total += __shfl_xor_sync(0xffffffffu, total, 1);
-    total += __shfl_xor_sync(0xffffffffu, total, 2);
     const int row = row_a + 8 * h;
-    if (row >= w.num_rows) continue;
-    const int pr = w.row0 + row;
-    const int t = w.q_begin + pr / p.num_heads, head = pr % p.num_heads;
-    const float lse2 = total > 0.0f ? m[h] + log2f(total) : -INFINITY;
-    const float factor = total > 0.0f ? p.v_scale / total : 0.0f;
-    if (p.num_splits > 1) {
-      const int64_t at = (int64_t(blockIdx.y) * p.num_actual_tokens + t) * p.num_heads + head;
-      float* const dst = p.partial_o + at * kEntry + 2 * t4;
+    hi[h] = row < w.num_rows ? min(w.kv_len - w.q_len + (w.row0 + row) / p.num_heads + 1, w.kv_end)
+                             : w.kv_end;
+  }
+  const int mask_from = min(w.kv_len - w.q_len + w.row0 / p.num_heads + 1, w.kv_end);
+
+  float o[32][4];
+  float o_pe[8][4];
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        *reinterpret_cast<float2*>(dst + 256 * cw + 8 * i) =
-            make_float2(o[i][2 * h] * factor, o[i][2 * h + 1] * factor);
-      }
-      if (cw == 0) {
+  for (int i = 0; i < 32; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          *reinterpret_cast<float2*>(dst + 512 + 8 * i) =
-              make_float2(o_pe[i][2 * h] * factor, o_pe[i][2 * h + 1] * factor);
-        }
-        if (t4 == 0) p.partial_lse[at] = lse2;
-      }
-      continue;
+  for (int i = 0; i < 8; ++i) o_pe[i][0] = o_pe[i][1] = o_pe[i][2] = o_pe[i][3] = 0.0f;
+  // m is the same in both warpgroups (both see both halves' maxima); l counts own keys only.
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+  float* const xchg = reinterpret_cast<float*>(smem + lay.xchg_offset);  // [2][64]
+  unsigned char* const p_tile = smem + lay.p_offset;                     // [64 rows][64 keys]
+  const uint32_t p_base = sm80::smem_addr(p_tile);
+  const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset);
+  const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
+  mbar_wait(bars.q_full(), 0);
+  for (int j = 0; j < n_tiles; ++j) {
+    const int s = kStages == 1 ? 0 : j % kStages;
+    mbar_wait(bars.full(s), uint32_t((j / kStages) & 1));
+    ptx::fence_proxy_async(ptx::space_shared);
+    const uint32_t k_base = stage0 + s * lay.stage_bytes;
+
+    // S for this warpgroup's 32 keys: rows 32 cw .. of every K panel (+4096 B).
+    float sacc[kSn][4];
+    sm90::fence_operands(sacc);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kEntry / 16; ++ks) {
+      const uint64_t da =
+          sm90::sw128_desc(q_base + (ks >> 2) * lay.q_panel + (ks & 3) * 32, 16, 1024);
+      const uint64_t db = sm90::sw128_desc(
+          k_base + (ks >> 2) * lay.kv_panel + cw * kHalf * 128 + (ks & 3) * 32, 16, 1024);
+      sm90::Wgmma<kHalf, kBF16>::template ss<0>(sacc, da, db, ks > 0);
     }
-    char* const out = static_cast<char*>(p.out) +
-                      (int64_t(t) * p.out_stride_token + int64_t(head) * p.out_stride_head) * 2;
-    auto put = [&](int col, float x0, float x1) {
-      if (p.vec_out) {
-        *reinterpret_cast<uint32_t*>(out + col * 2) = pack2<T::act>(x0, x1);
-      } else {
-        store_from_float<T::act>(out, col, x0);
-        store_from_float<T::act>(out, col + 1, x1);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(sacc);
+
+    const int ts = w.kv_begin + j * kBlockN + cw * kHalf;  // first key of this half
+    const float f = p.scale_log2;
+    if (w.kv_begin + j * kBlockN + kBlockN > mask_from) {
+#pragma unroll
+      for (int nt = 0; nt < kSn; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int key = ts + nt * 8 + 2 * t4 + (c & 1);
+          if (key >= hi[c >> 1]) sacc[nt][c] = -INFINITY;
+        }
       }
-    };
+    }
+    float mx[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < kSn; ++nt) {
+        mx[h] = fmaxf(mx[h], fmaxf(sacc[nt][2 * h], sacc[nt][2 * h + 1]));
+      }
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      if (t4 == 0) xchg[cw * kBlockM + row_a + 8 * h] = mx[h];
+    }
+    // Both halves' maxima are in; both warpgroups are also past the P V of tile j - 1, which
+    // read the P panel that this tile overwrites below.
+    sm90::named_barrier_sync(kBarConsumers, 256);
+    float corr[2], base[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float other = xchg[(1 - cw) * kBlockM + row_a + 8 * h];
+      const float m_new = fmaxf(m[h], fmaxf(mx[h], other) * f);
+      base[h] = m_new == -INFINITY ? 0.0f : m_new;
+      corr[h] = exp2f(m[h] - base[h]);
+      m[h] = m_new;
+    }
+#pragma unroll
+    for (int nt = 0; nt < kSn; ++nt) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        sacc[nt][c] = exp2f(fmaf(sacc[nt][c], f, -base[c >> 1]));
+        sum[c >> 1] += sacc[nt][c];
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[h] = l[h] * corr[h] + sum[h];
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      put(256 * cw + 8 * i + 2 * t4, o[i][2 * h] * factor, o[i][2 * h + 1] * factor);
+      o[i][0] *= corr[0], o[i][1] *= corr[0], o[i][2] *= corr[1], o[i][3] *= corr[1];
     }
-    if (cw == 0) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        put(512 + 8 * i + 2 * t4, o_pe[i][2 * h] * factor, o_pe[i][2 * h + 1] * factor);
-      }
-      if (p.lse != nullptr && t4 == 0) {
-        const int64_t at = int64_t(head) * p.lse_stride_head + int64_t(t) * p.lse_stride_token;
-        if (p.lse_is_f64) {
-          static_cast<double*>(p.lse)[at] = double(lse2 * kLn2);
-        } else {
-          static_cast<float*>(p.lse)[at] = lse2 * kLn2;
-        }
+    for (int i = 0; i < 8; ++i) {
+      o_pe[i][0] *= corr[0], o_pe[i][1] *= corr[0], o_pe[i][2] *= corr[1], o_pe[i][3] *= corr[1];
+    }
+    // This half of P into the panel (K-major A operand: key k of row r is 16-bit element k of
+    // the row's 128 bytes): keys 32 cw + 8 nt + 2 t4 + {0, 1} are chunk 4 cw + nt, bytes 4 t4.
+#pragma unroll
+    for (int nt = 0; nt < kSn; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row_a + 8 * h;
+        *reinterpret_cast<uint32_t*>(p_tile + sm90::sw128_offset(row, 4 * cw + nt) + 4 * t4) =
+            pack2<T::act>(sacc[nt][2 * h], sacc[nt][2 * h + 1]);
       }
     }
+    ptx::fence_proxy_async(ptx::space_shared);  // generic stores, read next by wgmma
+    sm90::named_barrier_sync(kBarConsumers, 256);
+
+    // O += P V over all 64 keys: P from the panel (+32 B per 16 keys), V MN-major as in consume.
+    sm90::fence_operands(o);
+    sm90::fence_operands(o_pe);
+    sm90::wgmma_fence();
+    const uint32_t v_base = k_base + 4 * cw * lay.kv_panel;
+    const uint32_t pe_base = k_base + 8 * lay.kv_panel;
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t dp = sm90::sw128_desc(p_base + kk * 32, 16, 1024);
+      sm90::Wgmma<256, kBF16>::template ss<1>(
+          o, dp, sm90::sw128_desc(v_base + kk * 2048, lay.kv_panel, 1024), 1);
+      sm90::Wgmma<64, kBF16>::template ss<1>(
+          o_pe, dp, sm90::sw128_desc(pe_base + kk * 2048, lay.kv_panel, 1024), 1);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(o);
+    sm90::fence_operands(o_pe);
+    ptx::mbarrier_arrive(bars.empty(s));
   }
+
+  // Row sums: thread ct of the other warpgroup holds the same rows' sums over the other half
+  // of the keys; exchanged through the P panel, free once both warpgroups are past their last
+  // P V (the barrier).
+  float* const lx = reinterpret_cast<float*>(p_tile);  // [2 warpgroups][128 threads][2]
+  sm90::named_barrier_sync(kBarConsumers, 256);
+  lx[(cw * 128 + ct) * 2] = l[0];
+  lx[(cw * 128 + ct) * 2 + 1] = l[1];
+  sm90::named_barrier_sync(kBarConsumers, 256);
+  l[0] += lx[((1 - cw) * 128 + ct) * 2];
+  l[1] += lx[((1 - cw) * 128 + ct) * 2 + 1];
+  store_rows<T>(p, w, o, o_pe, m, l, row_a, t4, cw);
 }
 
 // Launches `kernel(p)` with programmatic stream serialization allowed (both MLA kernels open

@@ -6,9 +6,9 @@ namespace pagedattn::cuda::mla {
 
 const std::vector<MlaKernel>& mla_kernels() {
   static const std::vector<MlaKernel> table = {
-#define PAGEDATTN_MLA_INSTANCE(act, kv)                                     \
-  {DType::act, KVKind::kv, &MlaOps<Traits<DType::act, KVKind::kv>>::launch, \
-   &MlaOps<Traits<DType::act, KVKind::kv>>::ctas_per_sm},
+#define PAGEDATTN_MLA_INSTANCE(act, kv, split_s)                                              \
+  {DType::act, KVKind::kv, split_s, &MlaOps<Traits<DType::act, KVKind::kv, split_s>>::launch, \
+   &MlaOps<Traits<DType::act, KVKind::kv, split_s>>::ctas_per_sm},
 #define PAGEDATTN_MLA_COMBINE_INSTANCE(act)
 #include "cuda/mla/inst/instances.inc"
 #undef PAGEDATTN_MLA_INSTANCE
@@ -19,7 +19,7 @@ const std::vector<MlaKernel>& mla_kernels() {
 
 const std::vector<MlaCombineKernel>& mla_combine_kernels() {
   static const std::vector<MlaCombineKernel> table = {
-#define PAGEDATTN_MLA_INSTANCE(act, kv)
+#define PAGEDATTN_MLA_INSTANCE(act, kv, split_s)
 #define PAGEDATTN_MLA_COMBINE_INSTANCE(act) {DType::act, &MlaCombineOps<DType::act>::launch},
 #include "cuda/mla/inst/instances.inc"
 #undef PAGEDATTN_MLA_INSTANCE
@@ -28,7 +28,7 @@ const std::vector<MlaCombineKernel>& mla_combine_kernels() {
   return table;
 }
 
-const MlaKernel* find_mla(DType act, DType cache) {
+const MlaKernel* find_mla(DType act, DType cache, bool split_s) {
   const bool act16 = act == DType::kF16 || act == DType::kBF16;
   if (!act16) return nullptr;
   KVKind kind;
@@ -40,7 +40,7 @@ const MlaKernel* find_mla(DType act, DType cache) {
     return nullptr;
   }
   for (const MlaKernel& k : mla_kernels())
-    if (k.act == act && k.kv == kind) return &k;
+    if (k.act == act && k.kv == kind && k.split_s == split_s) return &k;
   return nullptr;
 }
 

@@ -16,6 +16,7 @@ namespace pagedattn::cuda::mla {
 struct MlaKernel {
   DType act;
   KVKind kv;
+  bool split_s;  ///< Traits::split_s (experimental: S split between the consumer warpgroups)
   void (*launch)(const MlaParams& params, cudaStream_t stream);
   /// CTAs one SM holds (for the split planner); prepares the shared memory limit first.
   int (*ctas_per_sm)(int device);
@@ -41,9 +42,10 @@ struct MlaCombineOps {
 const std::vector<MlaKernel>& mla_kernels();
 const std::vector<MlaCombineKernel>& mla_combine_kernels();
 
-/// The compiled kernel for activations `act` over a latent cache of `cache`, or nullptr
-/// (float32 activations, mixed 16-bit types and e5m2 caches are not compiled).
-const MlaKernel* find_mla(DType act, DType cache);
+/// The compiled kernel for activations `act` over a latent cache of `cache` (`split_s`: the
+/// experimental variant), or nullptr (float32 activations, mixed 16-bit types and e5m2 caches
+/// are not compiled).
+const MlaKernel* find_mla(DType act, DType cache, bool split_s = false);
 const MlaCombineKernel* find_mla_combine(DType act);
 
 }  // namespace pagedattn::cuda::mla
