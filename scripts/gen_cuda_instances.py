@@ -44,6 +44,11 @@ PREFILL = DECODE_MMA
 # (widened by the producer; d256 has no shared memory left for the fp8 staging buffer).
 PREFILL_SM90 = [(a, kv, d) for a in ["f16", "bf16"] for kv in ["same", "fp8"]
                 for d in [64, 80, 96, 128, 192, 256] if not (kv == "fp8" and d == 256)]
+# MLA decode (sm_90a wgmma): 16-bit activations over a latent cache of the same type or fp8
+# e4m3, one latent head of 576, S per warpgroup whole ("") or split between the two ("split_s",
+# experimental); its own split combine (576 columns) per activation.
+MLA = [(a, kv, v) for a in ["f16", "bf16"] for kv in ["same", "fp8"] for v in ["", "split_s"]]
+MLA_COMBINE = ["f16", "bf16"]
 
 KV_KIND = {"same": "kSame", "fp8": "kFp8", "any": "kAny"}
 
@@ -113,13 +118,25 @@ def family_files():
         inc.append(f"#if PAGEDATTN_CUDA_HEAD_SIZE_{d}\n"
                    f"PAGEDATTN_PREFILL_SM90_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {d})\n#endif\n")
     files[CUDA / "prefill" / "inst" / "instances.inc"] = "".join(inc)
+
+    inc = [HEADER]
+    for a, kv, v in MLA:
+        split = "true" if v else "false"
+        files[CUDA / "mla" / "inst" / f"mla_{a}_{kv}{'_' + v if v else ''}.cu"] = instance_file(
+            "mla", "kernel.cuh", f"MlaOps<Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {split}>>")
+        inc.append(f"PAGEDATTN_MLA_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {split})\n")
+    for a in MLA_COMBINE:
+        files[CUDA / "mla" / "inst" / f"mla_combine_{a}.cu"] = instance_file(
+            "mla", "combine.cuh", f"MlaCombineOps<DType::{DTYPE[a]}>")
+        inc.append(f"PAGEDATTN_MLA_COMBINE_INSTANCE({DTYPE[a]})\n")
+    files[CUDA / "mla" / "inst" / "instances.inc"] = "".join(inc)
     return files
 
 
 def stale_generated(files):
     """Generated files on disk that the table no longer names."""
     out = []
-    for family in ["cache_ops", "merge", "amax", "decode", "prefill"]:
+    for family in ["cache_ops", "merge", "amax", "decode", "prefill", "mla"]:
         for p in sorted((CUDA / family / "inst").glob("*")):
             if p not in files and p.is_file() and p.read_text().startswith(HEADER):
                 out.append(p)

@@ -56,6 +56,15 @@ class Matrix {
     k.name = tag + ": " + describe(k);
     cases_.push_back(std::move(k));
   }
+  // An MLA-shaped case whose cache binds one latent entry as K and V (MLAAttention's binding).
+  void add_latent(std::string tag, AttentionConfig c, std::vector<RequestShape> requests,
+                  int pad_tokens = 0) {
+    add(std::move(tag), c, std::move(requests), pad_tokens);
+    OpCase& k = cases_.back();
+    k.latent = true;
+    k.v_scale = k.k_scale;  // the latent has one scale
+    k.name += " latent";
+  }
   std::vector<OpCase> take() { return std::move(cases_); }
 
  private:
@@ -193,6 +202,31 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
     c.scale = 1.0f / std::sqrt(192.0f);  // (qk_nope + qk_rope)^-0.5
     c.kv_cache_dtype = kv;
     m.add("mla-latent", c, {{300, 1}, {70, 4}, {0, 9}});
+  }
+  // The same shapes bound as MLAAttention binds them (one cache as K and V): the layout the
+  // CUDA MLA kernel serves. Block sizes 64 / 16 / 1, 16 and 128 heads, 1-4 query tokens with the
+  // causal offset, a 9-token prefill, zero-length and padded requests, long contexts (split).
+  for (KVCacheDType kv : {KVCacheDType::kAuto, KVCacheDType::kFp8E4M3}) {
+    for (DType act : {DType::kBF16, DType::kF16}) {
+      AttentionConfig c = base;
+      c.head_size = 576;
+      c.num_heads = 16;
+      c.num_kv_heads = 1;
+      c.block_size = 64;
+      c.scale = 1.0f / std::sqrt(192.0f);
+      c.dtype = act;
+      c.kv_cache_dtype = kv;
+      m.add_latent("mla", c, {{300, 1}, {70, 4}, {0, 9}, {0, 0}, {129, 2}, {1, 3}}, 3);
+      m.add_latent("mla", c, {{2000, 1}, {1500, 4}});
+      c.block_size = 16;
+      m.add_latent("mla", c, {{100, 1}, {33, 2}, {0, 0}, {64, 3}}, 1);
+      c.block_size = 1;
+      m.add_latent("mla", c, {{77, 1}, {20, 4}});
+      c.block_size = 64;
+      c.num_heads = 128;
+      m.add_latent("mla", c, {{200, 1}, {65, 2}});
+      m.add_latent("mla", c, {{3000, 1}});
+    }
   }
   // Batch shapes.
   m.add("batch", base, {{130, 1}, {7, 1}, {255, 1}, {16, 1}, {0, 1}, {61, 1}, {300, 1}, {1, 1}});

@@ -28,6 +28,9 @@ struct OpCase {
   int pad_tokens = 0;  ///< extra query rows with slot -1 (CUDA-graph padding)
   float k_scale = 1.0f, v_scale = 1.0f;
   float input_std = 1.0f;  ///< standard deviation of the random inputs
+  /// One cache entry serves as key and value (MLAAttention's latent binding): the value rows
+  /// are the key rows, v_scale = k_scale, and kv_cache.value is the same view as .key.
+  bool latent = false;
   uint32_t seed = 0;
 };
 

@@ -46,8 +46,8 @@ CaseData make_case_data(const OpCase& k);
 Tensor make_initial_cache(const OpCase& k, CaseData& data);
 
 /// The logical cache view of a storage tensor in `layout` (HND storage seen through permuted
-/// strides).
-KVCacheView cache_view_of(const Tensor& storage, KVCacheLayout layout);
+/// strides); `latent`: the value view is the key view (one entry as K and V).
+KVCacheView cache_view_of(const Tensor& storage, KVCacheLayout layout, bool latent = false);
 
 struct RunOutputs {
   Tensor output, lse;  // host

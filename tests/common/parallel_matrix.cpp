@@ -139,15 +139,15 @@ RankShare tp_rank_share(const Backend& backend, const bo::OpCase& k, const Paral
   const KVCacheLayout layout = c.kv_cache_layout;
   if (uses_kv_cache(c.attn_type)) {
     const KVCache mine = KVCache::allocate(kr.config, ref.data.num_blocks);
-    const KVCacheView whole = bo::cache_view_of(ref.cache0, layout);
+    const KVCacheView whole = bo::cache_view_of(ref.cache0, layout, k.latent);
     copy_tensor(mine.view().key, whole.key.slice(2, kb, kb + shard.num_kv_heads));
     copy_tensor(mine.view().value, whole.value.slice(2, kb, kb + shard.num_kv_heads));
     cache0 = mine.storage();
   }
   s.run = bo::run_on(backend, kr, data, cache0, c.dtype, DType::kF32, device, 0);
   if (cache0.defined()) {
-    const KVCacheView got = bo::cache_view_of(s.run.cache, layout);
-    const KVCacheView want = bo::cache_view_of(ref.exact.cache, layout);
+    const KVCacheView got = bo::cache_view_of(s.run.cache, layout, k.latent);
+    const KVCacheView want = bo::cache_view_of(ref.exact.cache, layout, k.latent);
     if (!same_bytes(got.key, want.key.slice(2, kb, kb + shard.num_kv_heads)) ||
         !same_bytes(got.value, want.value.slice(2, kb, kb + shard.num_kv_heads))) {
       s.cache_mismatch = "the rank's KV heads differ from the reference's cache bytes";
@@ -184,7 +184,7 @@ RankShare dcp_rank_share(const Backend& backend, const bo::OpCase& k, const Para
   // through the request's block table there (shared prefixes included).
   KVCache mine = KVCache::allocate(kr.config, num_blocks);
   fill_host(mine.tensor(), 9.0);  // garbage in every slot the rank never receives
-  const KVCacheView whole = bo::cache_view_of(ref.cache0, c.kv_cache_layout);
+  const KVCacheView whole = bo::cache_view_of(ref.cache0, c.kv_cache_layout, k.latent);
   const StepMetadata& global = ref.data.step;
   std::vector<DcpRequest> requests;
   size_t next = 0;
@@ -216,8 +216,8 @@ RankShare dcp_rank_share(const Backend& backend, const bo::OpCase& k, const Para
   s.run = bo::run_on(backend, kr, data, mine.storage(), partial_dtype, DType::kF32, device, 0);
   dcp_clear_empty_rows(step, s.run.output.view(), s.run.lse.view());
   // The step's new tokens this rank owns hold the reference's bytes at their local slots.
-  const KVCacheView got = bo::cache_view_of(s.run.cache, c.kv_cache_layout);
-  const KVCacheView want = bo::cache_view_of(ref.exact.cache, c.kv_cache_layout);
+  const KVCacheView got = bo::cache_view_of(s.run.cache, c.kv_cache_layout, k.latent);
+  const KVCacheView want = bo::cache_view_of(ref.exact.cache, c.kv_cache_layout, k.latent);
   int64_t owned = 0;
   for (size_t t = 0; t < step.metadata.slot_mapping.size(); ++t) {
     const int64_t l = step.metadata.slot_mapping[t], g = global.slot_mapping[t];

@@ -15,6 +15,7 @@
 
 #include "cuda/amax/launch.h"
 #include "cuda/backend/impl.h"
+#include "cuda/backend/mla_route.h"
 #include "cuda/backend/plan.h"
 #include "cuda/cache_ops/launch.h"
 #include "cuda/common/check.h"
@@ -22,6 +23,7 @@
 #include "cuda/decode/launch.h"
 #include "cuda/merge/config.h"
 #include "cuda/merge/launch.h"
+#include "cuda/mla/launch.h"
 #include "cuda/prefill/launch.h"
 #include "pagedattn/error.h"
 
@@ -62,6 +64,12 @@ BackendOptions backend_options_from_env() {
                     : v == "cp.async" ? DecodeCopy::kCpAsync
                                       : DecodeCopy::kAuto;
   }
+  if (const char* s = std::getenv(kMlaEnvVar); s && *s) {
+    const std::string v(s);
+    require(v == "redundant" || v == "split-s", kMlaEnvVar, " ('", v,
+            "') must be redundant or split-s");
+    o.mla_split_s = v == "split-s";
+  }
   return o;
 }
 
@@ -83,8 +91,8 @@ class CudaBackend final : public Backend {
 
   std::string_view name() const override { return "cuda"; }
   std::string_view description() const override {
-    return "NVIDIA Hopper (sm_90a): paged decode with split-KV, write_kv, merge_states, "
-           "merge_ranks, amax";
+    return "NVIDIA Hopper (sm_90a): paged decode with split-KV, prefill, MLA latent decode "
+           "(head size 576), write_kv, merge_states, merge_ranks, amax";
   }
 
   std::vector<std::string> check(const BackendQuery& q) const override {
@@ -114,6 +122,10 @@ class CudaBackend final : public Backend {
     if (cached && cache_ops::find_write_kv(c.dtype, cache) == nullptr) {
       reasons.push_back(cat("write_kv is not compiled for ", dtype_name(c.dtype),
                             " activations into a ", dtype_name(cache), " cache"));
+    }
+    if (is_mla_shape(c)) {
+      for (std::string& r : mla_reasons(c)) reasons.push_back(std::move(r));
+      return reasons;
     }
     if (decode::find_decode(c.dtype, cache, c.head_size) == nullptr) {
       const decode::KVKind kind = decode::kv_kind_for(c.dtype, cache);
@@ -150,7 +162,15 @@ class CudaBackend final : public Backend {
     int device = 0;
     if (md.seq_lens.defined() && md.seq_lens.device.is_cuda()) device = md.seq_lens.device.index;
     std::unique_ptr<CudaPlan> plan;
-    if (kernel == nullptr || device >= visible_device_count()) {
+    const mla::MlaKernel* mla_kernel =
+        is_mla_shape(config) && mla_reasons(config).empty()
+            ? mla::find_mla(config.dtype, cache, options_.mla_split_s)
+            : nullptr;
+    if (mla_kernel != nullptr && device < visible_device_count()) {
+      // Every request's rows on CTAs of mla::kBlockM (route_rows 0: the "prefill" row count).
+      plan = make_plan(md, config, device_props(device).num_sms,
+                       mla_ctas_per_sm(*mla_kernel, device), 0, mla::kBlockM);
+    } else if (kernel == nullptr || device >= visible_device_count()) {
       plan = make_plan(md, config, 0, 0);  // nothing to run on: an unsplit plan
     } else {
       // The route the impl takes (impl.cpp): rows past kDecodeMaxRows on the prefill kernel.
@@ -328,8 +348,19 @@ class CudaBackend final : public Backend {
     return it->second;
   }
 
+  int mla_ctas_per_sm(const mla::MlaKernel& kernel, int device) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto [it, inserted] = mla_occupancy_.try_emplace({&kernel, device}, 0);
+    if (inserted) {
+      ScopedDevice guard(device);
+      it->second = kernel.ctas_per_sm(device);
+    }
+    return it->second;
+  }
+
   BackendOptions options_;
   mutable std::mutex mutex_;
+  mutable std::map<std::pair<const mla::MlaKernel*, int>, int> mla_occupancy_;
   mutable std::map<std::pair<const decode::DecodeKernel*, int>, int> occupancy_;
 };
 

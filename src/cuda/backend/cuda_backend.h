@@ -23,6 +23,10 @@ inline constexpr const char* kPrefillKernelEnvVar = "PAGEDATTN_CUDA_PREFILL_KERN
 /// one cp.async.bulk per row, completion on an mbarrier) or cp.async (16-byte copies by every
 /// lane); tests and comparisons run all.
 inline constexpr const char* kDecodeCopyEnvVar = "PAGEDATTN_CUDA_DECODE_COPY";
+/// Environment variable that picks the MLA kernel variant (head size 576): redundant (default,
+/// tested and measured on the H200: both consumer warpgroups compute the whole S) or split-s
+/// (experimental, not yet run on a GPU: S split between them, P shared through smem).
+inline constexpr const char* kMlaEnvVar = "PAGEDATTN_CUDA_MLA";
 /// Shortest K/V row (head_size x cache element bytes) the auto choice copies in bulk. Measured
 /// [H200, docs/kernel_notes.md v6]: 256-byte rows (bf16 d128) read 2-3% faster in bulk at
 /// batch >= 64, 128-byte rows (fp8 d128, bf16 d64) 15-25% slower.
@@ -48,10 +52,11 @@ struct BackendOptions {
   PrefillRoute prefill = PrefillRoute::kAuto;
   bool portable_prefill = false;               ///< the mma.sync prefill kernel even on Hopper
   DecodeCopy decode_copy = DecodeCopy::kAuto;  ///< how decode brings K/V rows into smem
+  bool mla_split_s = false;                    ///< the experimental MLA variant (kMlaEnvVar)
 };
 
-/// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS, PAGEDATTN_CUDA_PREFILL and
-/// PAGEDATTN_CUDA_PREFILL_KERNEL.
+/// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS, PAGEDATTN_CUDA_PREFILL,
+/// PAGEDATTN_CUDA_PREFILL_KERNEL, PAGEDATTN_CUDA_DECODE_COPY and PAGEDATTN_CUDA_MLA.
 BackendOptions backend_options_from_env();
 
 std::unique_ptr<Backend> make_backend(const BackendOptions& options = backend_options_from_env());

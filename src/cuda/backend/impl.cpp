@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "cuda/backend/checked.h"
+#include "cuda/backend/mla_route.h"
 #include "cuda/backend/plan.h"
 #include "cuda/common/device_props.h"
 #include "cuda/decode/config.h"
@@ -72,6 +73,25 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
                         " is not a CUDA device");
   const bool cached = uses_kv_cache(config.attn_type);
   cache_dtype_ = cached ? config.cache_dtype() : config.dtype;
+  if (is_mla_shape(config)) {
+    const std::vector<std::string> reasons = mla_reasons(config);
+    if (!reasons.empty()) {
+      std::string all;
+      for (const std::string& r : reasons) all += (all.empty() ? "" : "; ") + r;
+      fail<NotSupported>("cuda backend: ", all);
+    }
+    mla_ = mla::find_mla(config.dtype, cache_dtype_, options.mla_split_s);
+    require<NotSupported>(mla_ != nullptr, "cuda backend: the ",
+                          options.mla_split_s ? "split-s " : "", "MLA kernel is not compiled for ",
+                          dtype_name(config.dtype), " over ", dtype_name(cache_dtype_));
+    mla_combine_ = mla::find_mla_combine(config.dtype);
+    write_ = cache_ops::find_write_kv(config.dtype, cache_dtype_);
+    require<NotSupported>(write_ != nullptr, "cuda backend: write_kv is not compiled for ",
+                          dtype_name(config.dtype), " into ", dtype_name(cache_dtype_));
+    ScopedDevice guard(device.index);
+    mla_->ctas_per_sm(device.index);  // the shared-memory limit, outside any graph capture
+    return;
+  }
   decode_ = decode::find_decode(config.dtype, cache_dtype_, config.head_size);
   combine_ = decode::find_combine(config.dtype);
   if (route_ != PrefillRoute::kOff) {
@@ -172,6 +192,10 @@ void CudaImpl::forward(const ForwardArgs& a) {
   }
   if (md.num_seqs <= 0 || md.num_actual_tokens <= 0 || md.max_query_len <= 0) return;
   require_on(md.query_start_loc, device_, "metadata.query_start_loc");
+  if (mla_ != nullptr) {
+    forward_mla(a, stream);
+    return;
+  }
 
   decode::DecodeParams p{};
   p.q = a.query.data;
@@ -284,6 +308,92 @@ void CudaImpl::forward(const ForwardArgs& a) {
     decode_->launch(p, stream, /*pdl=*/true);
   }
   if (p.num_splits > 1) combine_->launch(p, stream);
+}
+
+void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {
+  const AttentionConfig& cfg = config_;
+  const AttentionMetadata& md = *a.metadata;
+  const TensorView& k = a.kv_cache.key;
+  const TensorView& v = a.kv_cache.value;
+  require_on(k, device_, "kv_cache.key");
+  require_on(v, device_, "kv_cache.value");
+  // The kernel reads each latent entry once, as key and value: a separate value cache would be
+  // silently ignored, so refuse it.
+  bool same = k.data == v.data && k.ndim == v.ndim;
+  for (int d = 0; same && d < k.ndim; ++d) same = k.stride(d) == v.stride(d);
+  if (!same) {
+    fail<NotSupported>(
+        "cuda backend: head_size 576 runs on the MLA latent kernel, which reads one "
+        "cache as both K and V (MLAAttention's binding); kv_cache.value (",
+        describe(v), ") is not the same view as kv_cache.key (", describe(k), ")");
+  }
+  require_16b_rows(k, "kv_cache.key", 3);
+  require<NotSupported>(k.stride(3) == 1,
+                        "cuda backend: latent cache rows must be contiguous; got ", describe(k));
+  const TensorView& q = a.query;
+  const int64_t e = 2;  // 16-bit activations
+  require<NotSupported>(aligned(q.data, 16) && q.stride(2) == 1 && (q.stride(0) * e) % 16 == 0 &&
+                            (q.stride(1) * e) % 16 == 0,
+                        "cuda backend: the MLA kernel copies query rows in 16-byte pieces: ",
+                        describe(q), " needs a 16-byte aligned base and row strides");
+  require<NotSupported>(a.output.stride(2) == 1,
+                        "cuda backend: output rows must be contiguous; got ", describe(a.output));
+  require_on(md.seq_lens, device_, "metadata.seq_lens");
+  require_on(md.block_table, device_, "metadata.block_table");
+
+  mla::MlaParams p{};
+  p.q = q.data;
+  p.q_stride_token = q.stride(0);
+  p.q_stride_head = q.stride(1);
+  p.out = a.output.data;
+  p.out_stride_token = a.output.stride(0);
+  p.out_stride_head = a.output.stride(1);
+  p.vec_out =
+      aligned(a.output.data, 4) && a.output.stride(0) % 2 == 0 && a.output.stride(1) % 2 == 0;
+  if (a.lse.defined()) {
+    p.lse = a.lse.data;
+    p.lse_stride_head = a.lse.stride(0);
+    p.lse_stride_token = a.lse.stride(1);
+    p.lse_is_f64 = a.lse.dtype == DType::kF64;
+  }
+  p.kv = k.data;
+  p.kv_stride_block = k.stride(0);
+  p.kv_stride_page = k.stride(1);
+  p.query_start_loc = static_cast<const int32_t*>(md.query_start_loc.data);
+  p.seq_lens = static_cast<const int32_t*>(md.seq_lens.data);
+  p.block_table = static_cast<const int32_t*>(md.block_table.data);
+  p.block_table_stride_seq = md.block_table.stride(0);
+  p.block_table_stride_block = md.block_table.stride(1);
+  p.num_seqs = md.num_seqs;
+  p.num_heads = cfg.num_heads;
+  p.block_size = a.kv_cache.block_size();
+  p.num_m_tiles =
+      int((int64_t(md.max_query_len) * cfg.num_heads + mla::kBlockM - 1) / mla::kBlockM);
+  p.num_actual_tokens = md.num_actual_tokens;
+  const bool fp8 = is_fp8(cfg.kv_cache_dtype);
+  p.scale_log2 = cfg.scale * (fp8 ? a.scales.k_scale : 1.0f) * kLog2e;
+  p.v_scale = fp8 ? a.scales.v_scale : 1.0f;
+
+  const auto* plan = dynamic_cast<const CudaPlan*>(a.plan);
+  p.num_splits = 1;
+  if (plan != nullptr && plan->num_splits > 1) {
+    require(plan->num_actual_tokens == md.num_actual_tokens && plan->num_heads == cfg.num_heads &&
+                plan->head_size == cfg.head_size,
+            "plan was built for ", plan->num_actual_tokens, " tokens x ", plan->num_heads,
+            " heads x head_size ", plan->head_size, "; this call has ", md.num_actual_tokens, " x ",
+            cfg.num_heads, " x ", cfg.head_size);
+    require(a.workspace.data != nullptr && a.workspace.bytes >= plan->workspace_bytes(),
+            "workspace has ", a.workspace.bytes, " bytes; the plan needs ",
+            plan->workspace_bytes());
+    require(aligned(a.workspace.data, 256), "workspace must be 256-byte aligned");
+    p.num_splits = std::min(plan->num_splits, mla::kMaxSplits);
+    p.partial_o = static_cast<float*>(a.workspace.data);
+    p.partial_lse = reinterpret_cast<float*>(
+        static_cast<char*>(a.workspace.data) +
+        split_lse_offset(plan->num_splits, md.num_actual_tokens, cfg.num_heads, cfg.head_size));
+  }
+  mla_->launch(p, stream);
+  if (p.num_splits > 1) mla_combine_->launch(p, stream);
 }
 
 }  // namespace pagedattn::cuda

@@ -5,6 +5,7 @@
 #include "cuda/backend/cuda_backend.h"
 #include "cuda/cache_ops/launch.h"
 #include "cuda/decode/launch.h"
+#include "cuda/mla/launch.h"
 #include "cuda/prefill/launch.h"
 #include "pagedattn/backend.h"
 
@@ -26,6 +27,9 @@ class CudaImpl final : public AttentionImpl {
   void forward(const ForwardArgs& args) override;
 
  private:
+  // Head size 576: the latent kernel (cuda/mla) and, when split, its combine.
+  void forward_mla(const ForwardArgs& args, cudaStream_t stream);
+
   AttentionConfig config_;
   Device device_;
   bool checked_;
@@ -36,6 +40,8 @@ class CudaImpl final : public AttentionImpl {
   const decode::CombineKernel* combine_ = nullptr;
   const prefill::PrefillKernel* prefill_ = nullptr;  // nullptr: the decode kernel takes all
   const cache_ops::WriteKVKernel* write_ = nullptr;
+  const mla::MlaKernel* mla_ = nullptr;  // set: every forward runs the MLA kernel
+  const mla::MlaCombineKernel* mla_combine_ = nullptr;
   Tensor alibi_slopes_;  // float32 [num_heads] on the device, or undefined
   Tensor sinks_;         // float32 [num_heads] on the device, or undefined
 };

@@ -1,0 +1,93 @@
+// Tile sizes and shared-memory layout of the MLA decode family, each with its reason. Host and
+// device code both read these.
+#pragma once
+
+#include <cstdint>
+
+#include "pagedattn/dtype.h"
+
+namespace pagedattn::cuda::mla {
+
+/// The latent cache is the activation type (kSame) or fp8 e4m3 (kFp8, widened exactly to the
+/// activation type in shared memory by the producer; k_scale folded into the logit scale).
+enum class KVKind : uint8_t { kSame, kFp8 };
+
+/// The one latent head: kv_lora_rank 512 (kv_c, also the value) + qk_rope_head_dim 64 (k_pe).
+inline constexpr int kEntry = 576;
+/// 128-byte swizzled panels of 64 16-bit columns: 9 per entry, the first 8 hold kv_c.
+inline constexpr int kPanels = kEntry / 64;
+/// Packed rows (q_len * N) per CTA: one wgmma M tile. 16 heads x 1 token fill a quarter of it
+/// (the zero rows cost tensor-core time, not bandwidth: decode is memory-bound there).
+inline constexpr int kBlockM = 64;
+/// Keys per stage: 64 rows of 1152 bytes (72 KB at 16 bits), S = 64 x 64 per warpgroup.
+inline constexpr int kBlockN = 64;
+/// Split boundaries fall on whole tiles; a split keeps >= this many keys (the decode family's
+/// kMinSplitTokens, so the planner's s_max rule means the same here).
+inline constexpr int kSplitAlign = kBlockN;
+inline constexpr int kMaxSplits = 64;  ///< the combine reads one LSE per lane, two lanes' worth
+inline constexpr int kMaxSmemPerCta = 227 * 1024;
+
+/// Byte offsets of the dynamic shared memory (after aligning the base to 1024 bytes).
+struct Layout {
+  int q_panel = kBlockM * 128;   ///< one Q panel: 64 rows x 128 B
+  int kv_panel = kBlockN * 128;  ///< one K/V panel: 64 keys x 128 B
+  int q_offset = 0;              ///< Q [9 panels][64 rows][64 cols] 16-bit, swizzled
+  int stage_offset = 0;          ///< [stages] 16-bit K/V tiles [9 panels][64 keys][64 cols]
+  int stage_bytes = 0;
+  int raw_offset = 0;  ///< fp8 only: [2][64 keys][576] bytes as copied (natural order)
+  int raw_bytes = 0;
+  int table_offset = 0;  ///< [2][64] int64 byte offsets of a tile's rows (producer)
+  int p_offset = 0;      ///< split-S only: P [64 rows][64 keys] 16-bit, one swizzled panel
+  int xchg_offset = 0;   ///< split-S only: [2 warpgroups][64 rows] float row maxima / sums
+  int bar_offset = 0;    ///< mbarriers: q_full, full[stages], empty[stages]
+  int total = 0;         ///< including 1024 bytes to align the dynamic base
+};
+
+/// 16-bit cache: two 16-bit stages (Q 72 KB + 2 x 72 KB = 216 KB). fp8: one 16-bit stage and
+/// two raw fp8 tiles (72 + 72 + 2 x 36 KB): the raw copies of the next tiles stay in flight while
+/// the producer widens the current one, which only waits for the consumers to free the stage.
+constexpr int stages_for(KVKind kv) {
+  return kv == KVKind::kSame ? 2 : 1;
+}
+
+constexpr Layout layout_for(KVKind kv, bool split_s) {
+  Layout s;
+  s.q_offset = 0;
+  s.stage_offset = kPanels * s.q_panel;
+  s.stage_bytes = kPanels * s.kv_panel;
+  s.raw_offset = s.stage_offset + stages_for(kv) * s.stage_bytes;
+  s.raw_bytes = kv == KVKind::kFp8 ? kBlockN * kEntry : 0;
+  // P stays 1024-aligned: 2 raw tiles or 2 stages leave the running offset a multiple of 8 KB.
+  s.p_offset = s.raw_offset + 2 * s.raw_bytes;
+  s.table_offset = s.p_offset + (split_s ? kBlockM * 128 : 0);
+  s.xchg_offset = s.table_offset + 2 * kBlockN * 8;
+  s.bar_offset = s.xchg_offset + (split_s ? 2 * kBlockM * 4 : 0);
+  s.total = s.bar_offset + (1 + 2 * stages_for(kv)) * 8 + 1024;
+  return s;
+}
+
+/// One compiled MLA kernel. kSplitS false (the default route, measured): both consumer
+/// warpgroups compute the whole S of a tile. true (experimental, PAGEDATTN_CUDA_MLA=split-s):
+/// each computes S for 32 of the 64 keys, the row maxima and P go through shared memory, and
+/// both run P V over the whole tile from there, so S is computed once (FlashMLA's division).
+template <DType kAct, KVKind kKV, bool kSplitS>
+struct Traits {
+  static constexpr DType act = kAct;
+  static constexpr KVKind kv = kKV;
+  static constexpr bool split_s = kSplitS;
+  static_assert(kAct == DType::kF16 || kAct == DType::kBF16);
+  static constexpr int kStages = stages_for(kKV);
+  static constexpr int kCacheBytes = kKV == KVKind::kSame ? 2 : 1;
+  /// Warpgroup 0 produces; warpgroups 1 and 2 each compute the same S and softmax and
+  /// accumulate their own 256 of the 512 kv_c columns, plus (both, redundantly) the 64 k_pe
+  /// columns: 160 fp32 accumulators per thread.
+  static constexpr int kThreads = 384;
+  /// setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 <= 65536 registers.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr Layout layout() { return layout_for(kKV, kSplitS); }
+  static_assert(layout().total <= kMaxSmemPerCta);
+  static_assert(layout().p_offset % 1024 == 0, "P is a swizzled wgmma operand");
+};
+
+}  // namespace pagedattn::cuda::mla

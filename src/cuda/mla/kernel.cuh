@@ -1,0 +1,696 @@
+// MLA decode on Hopper (sm_90a): the absorbed latent attention as MQA over one 576-wide latent
+// head, warp-specialised wgmma.
+//
+// Map
+//   computes  for every packed row (token t, head h) of a request: S = q K^T over the latent
+//             entries it may see (causal: token i of a q_len-token request sees seq_len - q_len +
+//             i + 1 keys), softmax in log2 units with P rounded to the activation type, O = P E
+//             where E is the same entry (all 576 columns: the first 512 are the latent output
+//             the layer up-projects, 512..575 are P k_pe so the generic contract, output head
+//             size = head size, holds exactly); natural-log LSE on request; split-KV partials
+//             for the combine (combine.cuh).
+//   grid      x = num_m_tiles * num_seqs (request fastest), y = num_splits. A CTA owns kBlockM
+//             = 64 packed rows (row p = token p / N, head p % N; zero rows past the request) and
+//             the keys of its split, whole 64-key tiles.
+//   warps     384 threads. Warpgroup 0 (producer, 40 registers) copies Q once and every K tile
+//             (64 keys x 576) into nine 128-byte-swizzled panels (the wgmma canonical layout):
+//             16-byte cp.async of whole 1152-byte rows, row offsets from the block table in a
+//             smem table; completion arrives on the stage's `full` mbarrier. fp8 caches: the
+//             raw tile lands in a natural-order buffer (two of them, so the next tile's copies
+//             are in flight), each thread widens the chunks it copied into the 16-bit stage.
+//             Warpgroups 1 and 2 (consumers, 232 registers) both compute the same S (wgmma SS,
+//             m64n64k16, 36 k steps) and softmax, then each accumulates O += P V for its 256
+//             of the 512 kv_c columns (wgmma RS, m64n256k16, V MN-major = panels 4 cw .. 4 cw
+//             + 3 of the same tile) and for the 64 k_pe columns (m64n64k16, panel 8; both
+//             warpgroups, warpgroup 1 stores them): 160 fp32 accumulators per thread.
+//   split-S   (Traits::split_s, experimental, PAGEDATTN_CUDA_MLA=split-s; never run on a GPU
+//             yet) warpgroup c computes S only for keys 32 c .. 32 c + 31 (m64n32k16), the two
+//             exchange row maxima through shared memory (named barrier 2), each writes its
+//             half of P (16-bit) into one swizzled 64 x 64 panel, and both run O += P V with P
+//             from shared memory (wgmma SS) over all 64 keys for their columns: S once per
+//             tile instead of twice. Row sums stay per warpgroup (same maxima, same
+//             rescaling) and are added at the end.
+//   sync      mbarriers through CCCL's cuda::ptx: full[s] (128 producer arrivals), empty[s]
+//             (256 consumer arrivals); phases flip every kStages tiles. Consumers fence the
+//             async proxy after a `full` wait, before their wgmmas read what the generic proxy
+//             (cp.async, st.shared) wrote.
+//   budget    smem 218 KB (config.h): Q 72 KB + two 16-bit stages of 72 KB, or (fp8) one stage
+//             and two raw fp8 tiles of 36 KB. One CTA per SM.
+//   test      backend_ops --device cuda --filter mla (float64 reference, poisoned outputs);
+//             bench/gpu/bench_mla; docs/kernel_notes.md "mla decode".
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cuda/ptx>
+
+#include "cuda/arch/sm80/ptx.cuh"
+#include "cuda/arch/sm90/wgmma.cuh"
+#include "cuda/common/check.h"
+#include "cuda/common/dtypes.cuh"
+#include "cuda/mla/config.h"
+#include "cuda/mla/launch.h"
+#include "cuda/mla/params.h"
+
+namespace pagedattn::cuda::mla {
+
+namespace ptx = ::cuda::ptx;
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ int ceil_div(int a, int b) {
+  return (a + b - 1) / b;
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  while (!ptx::mbarrier_try_wait_parity(bar, parity)) {
+  }
+}
+
+// What one CTA computes: request r, packed rows [row0, row0 + num_rows), keys [kv_begin, kv_end).
+struct Work {
+  int r, row0, num_rows, q_begin, q_len, kv_len, kv_begin, kv_end;
+};
+
+// False when the CTA has no rows (an M tile past its request's q_len * N rows).
+__device__ __forceinline__ bool mla_work(const MlaParams& p, Work& w) {
+  const int x = int(blockIdx.x), tile = x / p.num_seqs;
+  w.r = x - tile * p.num_seqs;
+  w.q_begin = p.query_start_loc[w.r];
+  w.q_len = p.query_start_loc[w.r + 1] - w.q_begin;
+  w.kv_len = p.seq_lens[w.r];
+  w.row0 = tile * kBlockM;
+  const int rows_total = w.q_len * p.num_heads;
+  if (w.row0 >= rows_total) return false;
+  w.num_rows = min(kBlockM, rows_total - w.row0);
+  // The last row sees the most keys; every key before it is in some row's range.
+  const int last_token = (w.row0 + w.num_rows - 1) / p.num_heads;
+  const int range_hi = max(0, w.kv_len - w.q_len + last_token + 1);
+  const int chunk = ceil_div(ceil_div(range_hi, p.num_splits), kSplitAlign) * kSplitAlign;
+  w.kv_begin = min(int(blockIdx.y) * chunk, range_hi);
+  w.kv_end = min(w.kv_begin + chunk, range_hi);
+  return true;
+}
+
+// The CTA's mbarriers: q_full, then full[kStages] (producer -> consumers) and empty[kStages]
+// (consumers -> producer).
+template <int kStages>
+struct Barriers {
+  uint64_t* base;
+  __device__ uint64_t* q_full() const { return base; }
+  __device__ uint64_t* full(int s) const { return base + 1 + s; }
+  __device__ uint64_t* empty(int s) const { return base + 1 + kStages + s; }
+};
+
+template <class T>
+__device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsigned char* smem,
+                                        Barriers<T::kStages> bars, int n_tiles);
+template <class T>
+__device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsigned char* smem,
+                                        Barriers<T::kStages> bars, int n_tiles);
+template <class T>
+__device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& w,
+                                                unsigned char* smem, Barriers<T::kStages> bars,
+                                                int n_tiles);
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_constant__ MlaParams p) {
+  constexpr Layout lay = T::layout();
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* const smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  // Metadata, Q and the cache may come from the previous kernels of the stream (programmatic
+  // dependent launch).
+  sm80::grid_dependency_wait();
+  sm80::launch_dependent_grids();
+
+  Work w;
+  if (!mla_work(p, w)) return;
+  const int n_tiles = ceil_div(w.kv_end - w.kv_begin, kBlockN);
+
+  const Barriers<T::kStages> bars{reinterpret_cast<uint64_t*>(smem + lay.bar_offset)};
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(bars.q_full(), 128);
+    for (int s = 0; s < T::kStages; ++s) {
+      ptx::mbarrier_init(bars.full(s), 128);  // one arrival per producer thread
+      ptx::mbarrier_init(bars.empty(s), 256);
+    }
+    ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
+  }
+  __syncthreads();
+  // One branch per role, as setmaxnreg requires.
+  if (threadIdx.x < 128) {
+    produce<T>(p, w, smem, bars, n_tiles);
+  } else if constexpr (T::split_s) {
+    consume_split_s<T>(p, w, smem, bars, n_tiles);
+  } else {
+    consume<T>(p, w, smem, bars, n_tiles);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsigned char* smem,
+                                        Barriers<T::kStages> bars, int n_tiles) {
+  constexpr int kStages = T::kStages;
+  constexpr int kQChunks = kEntry / 8;                      // 72 chunks of 16 bytes per Q row
+  constexpr int kRowChunks = kEntry * T::kCacheBytes / 16;  // 72 (16-bit) or 36 (fp8) per key
+  constexpr bool kFp8 = T::kv == KVKind::kFp8;
+  constexpr Layout lay = T::layout();
+  sm90::setmaxnreg_dec<T::kProducerRegs>();
+  const int ct = int(threadIdx.x);
+
+  // Q: packed row i -> token (row0 + i) / N, head (row0 + i) % N; zeros past the rows.
+  const uint32_t q_smem = sm80::smem_addr(smem + lay.q_offset);
+  for (int c = ct; c < kBlockM * kQChunks; c += 128) {
+    const int row = c / kQChunks, col = c - row * kQChunks;
+    const char* src = static_cast<const char*>(p.q);
+    int bytes = 0;
+    if (row < w.num_rows) {
+      const int pr = w.row0 + row;
+      const int tok = w.q_begin + pr / p.num_heads, head = pr % p.num_heads;
+      src += (int64_t(tok) * p.q_stride_token + int64_t(head) * p.q_stride_head + col * 8) * 2;
+      bytes = 16;
+    }
+    sm80::cp_async_16(q_smem + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7), src,
+                      bytes, 0);
+  }
+  if constexpr (kFp8) sm80::cp_async_commit();  // the fp8 path counts its tiles in groups
+  ptx::cp_async_mbarrier_arrive_noinc(bars.q_full());
+
+  const int64_t sb = p.kv_stride_block * T::kCacheBytes, sp = p.kv_stride_page * T::kCacheBytes;
+  const char* const cache = static_cast<const char*>(p.kv);
+  const int bs_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
+  const int32_t* const bt_row = p.block_table + int64_t(w.r) * p.block_table_stride_seq;
+  int64_t* const tables = reinterpret_cast<int64_t*>(smem + lay.table_offset);
+
+  // Row byte offsets of tile j into table slot j % 2 (-1: past the split, zero-filled and
+  // masked), then a producer barrier: every thread copies rows other threads looked up.
+  auto fill_table = [&](int j) {
+    int64_t* const table = tables + (j & 1) * kBlockN;
+    if (ct < kBlockN) {
+      const int pos = w.kv_begin + j * kBlockN + ct;
+      int64_t off = -1;
+      if (pos < w.kv_end) {
+        const int lb = bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size;
+        const int in_block = pos - lb * p.block_size;
+        off = int64_t(bt_row[int64_t(lb) * p.block_table_stride_block]) * sb + in_block * sp;
+      }
+      table[ct] = off;
+    }
+    sm90::named_barrier_sync(1, 128);
+    return table;
+  };
+
+  if constexpr (!kFp8) {
+    // Chunk c = ct + 128 i of the tile (row-major): neighbouring threads copy neighbouring
+    // 16-byte pieces of one 1152-byte row.
+    for (int j = 0; j < n_tiles; ++j) {
+      const int s = j % kStages;
+      const int64_t* table = fill_table(j);
+      mbar_wait(bars.empty(s), ((j / kStages) & 1) ^ 1);  // tile j - kStages released
+      const uint32_t dst0 = sm80::smem_addr(smem + lay.stage_offset + s * lay.stage_bytes);
+#pragma unroll 4
+      for (int c = ct; c < kBlockN * kRowChunks; c += 128) {
+        const int row = c / kRowChunks, col = c - row * kRowChunks;
+        const int64_t off = table[row];
+        sm80::cp_async_16(dst0 + (col >> 3) * lay.kv_panel + sm90::sw128_offset(row, col & 7),
+                          cache + (off >= 0 ? off : 0) + col * 16, off >= 0 ? 16 : 0, 0);
+      }
+      ptx::cp_async_mbarrier_arrive_noinc(bars.full(s));
+    }
+    sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
+  } else {
+    // Raw fp8 rows (576 bytes, 36 chunks) into raw buffer j % 2 in natural order; the thread
+    // that copied a chunk widens it, so its own cp.async.wait_group is all the ordering needed.
+    auto issue = [&](int j) {
+      const int64_t* table = fill_table(j);
+      const uint32_t raw = sm80::smem_addr(smem + lay.raw_offset + (j & 1) * lay.raw_bytes);
+#pragma unroll 2
+      for (int c = ct; c < kBlockN * kRowChunks; c += 128) {
+        const int row = c / kRowChunks, col = c - row * kRowChunks;
+        const int64_t off = table[row];
+        sm80::cp_async_16(raw + c * 16, cache + (off >= 0 ? off : 0) + col * 16, off >= 0 ? 16 : 0,
+                          0);
+      }
+      sm80::cp_async_commit();
+    };
+    if (n_tiles > 0) issue(0);
+    for (int j = 0; j < n_tiles; ++j) {
+      if (j + 1 < n_tiles) {
+        issue(j + 1);
+        sm80::cp_async_wait<1>();
+      } else {
+        sm80::cp_async_wait<0>();
+      }
+      mbar_wait(bars.empty(0), (j & 1) ^ 1);  // the consumers are done with tile j - 1
+      const unsigned char* raw = smem + lay.raw_offset + (j & 1) * lay.raw_bytes;
+      unsigned char* const stage = smem + lay.stage_offset;
+#pragma unroll 2
+      for (int c = ct; c < kBlockN * kRowChunks; c += 128) {
+        const int row = c / kRowChunks, col = c - row * kRowChunks;
+        const uint4 v = *reinterpret_cast<const uint4*>(raw + c * 16);
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+        uint32_t wide[8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          wide[2 * k] = fp8x2_to_16bit<T::act>(uint16_t(words[k] & 0xffffu), false);
+          wide[2 * k + 1] = fp8x2_to_16bit<T::act>(uint16_t(words[k] >> 16), false);
+        }
+        // 16 fp8 values = 16-bit chunks 2 col and 2 col + 1 of the row (one panel per 4 cols).
+        unsigned char* const panel = stage + (col >> 2) * lay.kv_panel;
+        const int c16 = (2 * col) & 7;
+        *reinterpret_cast<uint4*>(panel + sm90::sw128_offset(row, c16)) =
+            make_uint4(wide[0], wide[1], wide[2], wide[3]);
+        *reinterpret_cast<uint4*>(panel + sm90::sw128_offset(row, c16 + 1)) =
+            make_uint4(wide[4], wide[5], wide[6], wide[7]);
+      }
+      // Generic-proxy stores, read next by wgmma (async proxy).
+      ptx::fence_proxy_async(ptx::space_shared);
+      ptx::mbarrier_arrive(bars.full(0));
+    }
+    sm80::cp_async_wait<0>();  // Q's copies too, when there was no tile
+  }
+}
+
+// This thread's rows row_a and row_a + 8 out: normalise by the row sums (l: this thread's part,
+// a row's sum is spread over its quad), v scale; the output and LSE, or the split partials.
+// Warpgroup cw writes kv_c columns 256 cw .. 256 cw + 255; warpgroup 0 also the k_pe columns and
+// the LSE.
+template <class T>
+__device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w,
+                                           const float (&o)[32][4], const float (&o_pe)[8][4],
+                                           const float (&m)[2], const float (&l)[2], int row_a,
+                                           int t4, int cw) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float total = l[h];
+    total += __shfl_xor_sync(0xffffffffu, total, 1);
+    total += __shfl_xor_sync(0xffffffffu, total, 2);
+    const int row = row_a + 8 * h;
+    if (row >= w.num_rows) continue;
+    const int pr = w.row0 + row;
+    const int t = w.q_begin + pr / p.num_heads, head = pr % p.num_heads;
+    const float lse2 = total > 0.0f ? m[h] + log2f(total) : -INFINITY;
+    const float factor = total > 0.0f ? p.v_scale / total : 0.0f;
+    if (p.num_splits > 1) {
+      const int64_t at = (int64_t(blockIdx.y) * p.num_actual_tokens + t) * p.num_heads + head;
+      float* const dst = p.partial_o + at * kEntry + 2 * t4;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        *reinterpret_cast<float2*>(dst + 256 * cw + 8 * i) =
+            make_float2(o[i][2 * h] * factor, o[i][2 * h + 1] * factor);
+      }
+      if (cw == 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          *reinterpret_cast<float2*>(dst + 512 + 8 * i) =
+              make_float2(o_pe[i][2 * h] * factor, o_pe[i][2 * h + 1] * factor);
+        }
+        if (t4 == 0) p.partial_lse[at] = lse2;
+      }
+      continue;
+    }
+    char* const out = static_cast<char*>(p.out) +
+                      (int64_t(t) * p.out_stride_token + int64_t(head) * p.out_stride_head) * 2;
+    auto put = [&](int col, float x0, float x1) {
+      if (p.vec_out) {
+        *reinterpret_cast<uint32_t*>(out + col * 2) = pack2<T::act>(x0, x1);
+      } else {
+        store_from_float<T::act>(out, col, x0);
+        store_from_float<T::act>(out, col + 1, x1);
+      }
+    };
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      put(256 * cw + 8 * i + 2 * t4, o[i][2 * h] * factor, o[i][2 * h + 1] * factor);
+    }
+    if (cw == 0) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        put(512 + 8 * i + 2 * t4, o_pe[i][2 * h] * factor, o_pe[i][2 * h + 1] * factor);
+      }
+      if (p.lse != nullptr && t4 == 0) {
+        const int64_t at = int64_t(head) * p.lse_stride_head + int64_t(t) * p.lse_stride_token;
+        if (p.lse_is_f64) {
+          static_cast<double*>(p.lse)[at] = double(lse2 * kLn2);
+        } else {
+          static_cast<float*>(p.lse)[at] = lse2 * kLn2;
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsigned char* smem,
+                                        Barriers<T::kStages> bars, int n_tiles) {
+  constexpr int kStages = T::kStages, kSn = kBlockN / 8;
+  constexpr bool kBF16 = T::act == DType::kBF16;
+  constexpr Layout lay = T::layout();
+  sm90::setmaxnreg_inc<T::kConsumerRegs>();
+  const int cw = int(threadIdx.x) / 128 - 1;  // consumer warpgroup: kv_c columns 256 cw ..
+  const int ct = int(threadIdx.x) % 128;
+  const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
+  const int row_a = 16 * warp + g;  // this thread's rows: row_a and row_a + 8
+
+  // Keys row i may see: [kv_begin, hi). Rows past the request are zero queries that nobody
+  // stores: they see the whole split (no mask of their own, no NaN).
+  int hi[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_a + 8 * h;
+    hi[h] = row < w.num_rows ? min(w.kv_len - w.q_len + (w.row0 + row) / p.num_heads + 1, w.kv_end)
+                             : w.kv_end;
+  }
+  // Tiles ending at or before every real row's bound need no mask (CTA-uniform).
+  const int mask_from = min(w.kv_len - w.q_len + w.row0 / p.num_heads + 1, w.kv_end);
+
+  float o[32][4];    // kv_c columns 256 cw + 8 i + 2 t4 + {0, 1}, rows row_a, row_a + 8
+  float o_pe[8][4];  // k_pe columns 512 + 8 i + ...
+#pragma unroll
+  for (int i = 0; i < 32; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o_pe[i][0] = o_pe[i][1] = o_pe[i][2] = o_pe[i][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+  const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset);
+  const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
+  mbar_wait(bars.q_full(), 0);
+  // Straight-line wgmma groups in an unconditional loop body: ptxas serialises the wgmmas
+  // (C7514) when a group's issue or wait sits under a condition it cannot prove uniform.
+  for (int j = 0; j < n_tiles; ++j) {
+    const int s = kStages == 1 ? 0 : j % kStages;
+    mbar_wait(bars.full(s), uint32_t((j / kStages) & 1));
+    ptx::fence_proxy_async(ptx::space_shared);
+    const uint32_t k_base = stage0 + s * lay.stage_bytes;
+
+    // S = Q K^T (both K-major: 16 columns are +32 B inside a panel).
+    float sacc[kSn][4];
+    sm90::fence_operands(sacc);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kEntry / 16; ++ks) {
+      const uint64_t da =
+          sm90::sw128_desc(q_base + (ks >> 2) * lay.q_panel + (ks & 3) * 32, 16, 1024);
+      const uint64_t db =
+          sm90::sw128_desc(k_base + (ks >> 2) * lay.kv_panel + (ks & 3) * 32, 16, 1024);
+      sm90::Wgmma<kBlockN, kBF16>::template ss<0>(sacc, da, db, ks > 0);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(sacc);
+
+    // Online softmax in log2 units (one FFMA per score: the scale joins the exponent).
+    const int ts = w.kv_begin + j * kBlockN;
+    const float f = p.scale_log2;
+    if (ts + kBlockN > mask_from) {
+#pragma unroll
+      for (int nt = 0; nt < kSn; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int key = ts + nt * 8 + 2 * t4 + (c & 1);
+          if (key >= hi[c >> 1]) sacc[nt][c] = -INFINITY;
+        }
+      }
+    }
+    float corr[2], base[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < kSn; ++nt) mx = fmaxf(mx, fmaxf(sacc[nt][2 * h], sacc[nt][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a quad holds a row's keys
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[h], mx * f);
+      base[h] = m_new == -INFINITY ? 0.0f : m_new;  // no visible key yet: no NaN
+      corr[h] = exp2f(m[h] - base[h]);
+      m[h] = m_new;
+    }
+#pragma unroll
+    for (int nt = 0; nt < kSn; ++nt) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        sacc[nt][c] = exp2f(fmaf(sacc[nt][c], f, -base[c >> 1]));
+        sum[c >> 1] += sacc[nt][c];
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[h] = l[h] * corr[h] + sum[h];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      o[i][0] *= corr[0], o[i][1] *= corr[0], o[i][2] *= corr[1], o[i][3] *= corr[1];
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      o_pe[i][0] *= corr[0], o_pe[i][1] *= corr[0], o_pe[i][2] *= corr[1], o_pe[i][3] *= corr[1];
+    }
+    // P as the A fragments of P V (the S accumulator layout is wgmma's register-A layout).
+    uint32_t pa[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      pa[kk][0] = pack2<T::act>(sacc[2 * kk][0], sacc[2 * kk][1]);
+      pa[kk][1] = pack2<T::act>(sacc[2 * kk][2], sacc[2 * kk][3]);
+      pa[kk][2] = pack2<T::act>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
+      pa[kk][3] = pack2<T::act>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
+    }
+
+    // O += P V: V is the same tile read MN-major (16 keys are +2048 B; panels kv_panel apart).
+    sm90::fence_operands(o);
+    sm90::fence_operands(o_pe);
+    sm90::wgmma_fence();
+    const uint32_t v_base = k_base + 4 * cw * lay.kv_panel;
+    const uint32_t pe_base = k_base + 8 * lay.kv_panel;
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      sm90::Wgmma<256, kBF16>::template rs<1>(
+          o, pa[kk], sm90::sw128_desc(v_base + kk * 2048, lay.kv_panel, 1024), 1);
+      sm90::Wgmma<64, kBF16>::template rs<1>(
+          o_pe, pa[kk], sm90::sw128_desc(pe_base + kk * 2048, lay.kv_panel, 1024), 1);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(o);
+    sm90::fence_operands(o_pe);
+    ptx::mbarrier_arrive(bars.empty(s));
+  }
+
+  store_rows<T>(p, w, o, o_pe, m, l, row_a, t4, cw);
+}
+
+template <class T>
+__device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& w,
+                                                unsigned char* smem, Barriers<T::kStages> bars,
+                                                int n_tiles) {
+  constexpr int kStages = T::kStages, kHalf = kBlockN / 2, kSn = kHalf / 8;
+  constexpr bool kBF16 = T::act == DType::kBF16;
+  constexpr Layout lay = T::layout();
+  constexpr int kBarConsumers = 2;  // named barrier of the 256 consumer threads (1: producer)
+  sm90::setmaxnreg_inc<T::kConsumerRegs>();
+  const int cw = int(threadIdx.x) / 128 - 1;  // keys 32 cw .. of S; kv_c columns 256 cw ..
+  const int ct = int(threadIdx.x) % 128;
+  const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
+  const int row_a = 16 * warp + g;
+
+  int hi[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_a + 8 * h;
+    hi[h] = row < w.num_rows ? min(w.kv_len - w.q_len + (w.row0 + row) / p.num_heads + 1, w.kv_end)
+                             : w.kv_end;
+  }
+  const int mask_from = min(w.kv_len - w.q_len + w.row0 / p.num_heads + 1, w.kv_end);
+
+  float o[32][4];
+  float o_pe[8][4];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o_pe[i][0] = o_pe[i][1] = o_pe[i][2] = o_pe[i][3] = 0.0f;
+  // m is the same in both warpgroups (both see both halves' maxima); l counts own keys only.
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+  float* const xchg = reinterpret_cast<float*>(smem + lay.xchg_offset);  // [2][64]
+  unsigned char* const p_tile = smem + lay.p_offset;                     // [64 rows][64 keys]
+  const uint32_t p_base = sm80::smem_addr(p_tile);
+  const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset);
+  const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
+  mbar_wait(bars.q_full(), 0);
+  for (int j = 0; j < n_tiles; ++j) {
+    const int s = kStages == 1 ? 0 : j % kStages;
+    mbar_wait(bars.full(s), uint32_t((j / kStages) & 1));
+    ptx::fence_proxy_async(ptx::space_shared);
+    const uint32_t k_base = stage0 + s * lay.stage_bytes;
+
+    // S for this warpgroup's 32 keys: rows 32 cw .. of every K panel (+4096 B).
+    float sacc[kSn][4];
+    sm90::fence_operands(sacc);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kEntry / 16; ++ks) {
+      const uint64_t da =
+          sm90::sw128_desc(q_base + (ks >> 2) * lay.q_panel + (ks & 3) * 32, 16, 1024);
+      const uint64_t db = sm90::sw128_desc(
+          k_base + (ks >> 2) * lay.kv_panel + cw * kHalf * 128 + (ks & 3) * 32, 16, 1024);
+      sm90::Wgmma<kHalf, kBF16>::template ss<0>(sacc, da, db, ks > 0);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(sacc);
+
+    const int ts = w.kv_begin + j * kBlockN + cw * kHalf;  // first key of this half
+    const float f = p.scale_log2;
+    if (w.kv_begin + j * kBlockN + kBlockN > mask_from) {
+#pragma unroll
+      for (int nt = 0; nt < kSn; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int key = ts + nt * 8 + 2 * t4 + (c & 1);
+          if (key >= hi[c >> 1]) sacc[nt][c] = -INFINITY;
+        }
+      }
+    }
+    float mx[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < kSn; ++nt) {
+        mx[h] = fmaxf(mx[h], fmaxf(sacc[nt][2 * h], sacc[nt][2 * h + 1]));
+      }
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      if (t4 == 0) xchg[cw * kBlockM + row_a + 8 * h] = mx[h];
+    }
+    // Both halves' maxima are in; both warpgroups are also past the P V of tile j - 1, which
+    // read the P panel that this tile overwrites below.
+    sm90::named_barrier_sync(kBarConsumers, 256);
+    float corr[2], base[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float other = xchg[(1 - cw) * kBlockM + row_a + 8 * h];
+      const float m_new = fmaxf(m[h], fmaxf(mx[h], other) * f);
+      base[h] = m_new == -INFINITY ? 0.0f : m_new;
+      corr[h] = exp2f(m[h] - base[h]);
+      m[h] = m_new;
+    }
+#pragma unroll
+    for (int nt = 0; nt < kSn; ++nt) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        sacc[nt][c] = exp2f(fmaf(sacc[nt][c], f, -base[c >> 1]));
+        sum[c >> 1] += sacc[nt][c];
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[h] = l[h] * corr[h] + sum[h];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      o[i][0] *= corr[0], o[i][1] *= corr[0], o[i][2] *= corr[1], o[i][3] *= corr[1];
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      o_pe[i][0] *= corr[0], o_pe[i][1] *= corr[0], o_pe[i][2] *= corr[1], o_pe[i][3] *= corr[1];
+    }
+    // This half of P into the panel (K-major A operand: key k of row r is 16-bit element k of
+    // the row's 128 bytes): keys 32 cw + 8 nt + 2 t4 + {0, 1} are chunk 4 cw + nt, bytes 4 t4.
+#pragma unroll
+    for (int nt = 0; nt < kSn; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row_a + 8 * h;
+        *reinterpret_cast<uint32_t*>(p_tile + sm90::sw128_offset(row, 4 * cw + nt) + 4 * t4) =
+            pack2<T::act>(sacc[nt][2 * h], sacc[nt][2 * h + 1]);
+      }
+    }
+    ptx::fence_proxy_async(ptx::space_shared);  // generic stores, read next by wgmma
+    sm90::named_barrier_sync(kBarConsumers, 256);
+
+    // O += P V over all 64 keys: P from the panel (+32 B per 16 keys), V MN-major as in consume.
+    sm90::fence_operands(o);
+    sm90::fence_operands(o_pe);
+    sm90::wgmma_fence();
+    const uint32_t v_base = k_base + 4 * cw * lay.kv_panel;
+    const uint32_t pe_base = k_base + 8 * lay.kv_panel;
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t dp = sm90::sw128_desc(p_base + kk * 32, 16, 1024);
+      sm90::Wgmma<256, kBF16>::template ss<1>(
+          o, dp, sm90::sw128_desc(v_base + kk * 2048, lay.kv_panel, 1024), 1);
+      sm90::Wgmma<64, kBF16>::template ss<1>(
+          o_pe, dp, sm90::sw128_desc(pe_base + kk * 2048, lay.kv_panel, 1024), 1);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(o);
+    sm90::fence_operands(o_pe);
+    ptx::mbarrier_arrive(bars.empty(s));
+  }
+
+  // Row sums: thread ct of the other warpgroup holds the same rows' sums over the other half
+  // of the keys; exchanged through the P panel, free once both warpgroups are past their last
+  // P V (the barrier).
+  float* const lx = reinterpret_cast<float*>(p_tile);  // [2 warpgroups][128 threads][2]
+  sm90::named_barrier_sync(kBarConsumers, 256);
+  lx[(cw * 128 + ct) * 2] = l[0];
+  lx[(cw * 128 + ct) * 2 + 1] = l[1];
+  sm90::named_barrier_sync(kBarConsumers, 256);
+  l[0] += lx[((1 - cw) * 128 + ct) * 2];
+  l[1] += lx[((1 - cw) * 128 + ct) * 2 + 1];
+  store_rows<T>(p, w, o, o_pe, m, l, row_a, t4, cw);
+}
+
+// Launches `kernel(p)` with programmatic stream serialization allowed (both MLA kernels open
+// with the griddepcontrol pair): the combine's CTAs are resident before the attention kernel
+// ends, and the next layer's before the combine ends.
+inline void launch_with_pdl(void (*kernel)(MlaParams), dim3 grid, dim3 block, int smem,
+                            cudaStream_t stream, const MlaParams& p) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  PAGEDATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  PAGEDATTN_CUDA_CHECK_LAUNCH();
+}
+
+// Raises the kernel's dynamic shared memory limit once per device (benign if two threads race).
+template <class T>
+void prepare_mla(int device) {
+  static std::atomic<uint64_t> done{0};
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (done.load(std::memory_order_acquire) & bit) return;
+  PAGEDATTN_CUDA_CHECK(cudaFuncSetAttribute(
+      mla_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::layout().total));
+  done.fetch_or(bit, std::memory_order_acq_rel);
+}
+
+template <class T>
+void MlaOps<T>::launch(const MlaParams& p, cudaStream_t stream) {
+  const dim3 grid(unsigned(p.num_m_tiles) * unsigned(p.num_seqs), unsigned(p.num_splits));
+  if (grid.x == 0 || grid.y == 0) return;
+  int device = 0;
+  PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+  prepare_mla<T>(device);
+  launch_with_pdl(mla_kernel<T>, grid, dim3(T::kThreads), T::layout().total, stream, p);
+}
+
+template <class T>
+int MlaOps<T>::ctas_per_sm(int device) {
+  prepare_mla<T>(device);
+  int n = 0;
+  PAGEDATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mla_kernel<T>, T::kThreads,
+                                                                     T::layout().total));
+  return n;
+}
+
+}  // namespace pagedattn::cuda::mla
