@@ -279,13 +279,16 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
 
 // This thread's rows row_a and row_a + 8 out: normalise by the row sums (l: this thread's part,
 // a row's sum is spread over its quad), v scale; the output and LSE, or the split partials.
-// Warpgroup cw writes kv_c columns 256 cw .. 256 cw + 255; warpgroup 0 also the k_pe columns and
-// the LSE.
-template <class T>
+// Warpgroup cw writes kv_c columns 256 cw .. 256 cw + 255, and the k_pe columns it holds: all 64
+// (kPe = 8: warpgroup 0's are written) or 32 cw .. 32 cw + 31 (kPe = 4); warpgroup 0 the LSE.
+template <class T, int kPe>
 __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w,
-                                           const float (&o)[32][4], const float (&o_pe)[8][4],
+                                           const float (&o)[32][4], const float (&o_pe)[kPe][4],
                                            const float (&m)[2], const float (&l)[2], int row_a,
                                            int t4, int cw) {
+  static_assert(kPe == 8 || kPe == 4);
+  const bool pe_mine = kPe == 4 || cw == 0;
+  const int pe0 = kPe == 4 ? 512 + 32 * cw : 512;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float total = l[h];
@@ -305,14 +308,14 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w,
         *reinterpret_cast<float2*>(dst + 256 * cw + 8 * i) =
             make_float2(o[i][2 * h] * factor, o[i][2 * h + 1] * factor);
       }
-      if (cw == 0) {
+      if (pe_mine) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          *reinterpret_cast<float2*>(dst + 512 + 8 * i) =
+        for (int i = 0; i < kPe; ++i) {
+          *reinterpret_cast<float2*>(dst + pe0 + 8 * i) =
               make_float2(o_pe[i][2 * h] * factor, o_pe[i][2 * h + 1] * factor);
         }
-        if (t4 == 0) p.partial_lse[at] = lse2;
       }
+      if (cw == 0 && t4 == 0) p.partial_lse[at] = lse2;
       continue;
     }
     char* const out = static_cast<char*>(p.out) +
@@ -329,11 +332,13 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w,
     for (int i = 0; i < 32; ++i) {
       put(256 * cw + 8 * i + 2 * t4, o[i][2 * h] * factor, o[i][2 * h + 1] * factor);
     }
-    if (cw == 0) {
+    if (pe_mine) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        put(512 + 8 * i + 2 * t4, o_pe[i][2 * h] * factor, o_pe[i][2 * h + 1] * factor);
+      for (int i = 0; i < kPe; ++i) {
+        put(pe0 + 8 * i + 2 * t4, o_pe[i][2 * h] * factor, o_pe[i][2 * h + 1] * factor);
       }
+    }
+    if (cw == 0) {
       if (p.lse != nullptr && t4 == 0) {
         const int64_t at = int64_t(head) * p.lse_stride_head + int64_t(t) * p.lse_stride_token;
         if (p.lse_is_f64) {
@@ -380,32 +385,46 @@ __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsig
 
   const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset);
   const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
-  mbar_wait(bars.q_full(), 0);
-  // Straight-line wgmma groups in an unconditional loop body: ptxas serialises the wgmmas
-  // (C7514) when a group's issue or wait sits under a condition it cannot prove uniform.
-  for (int j = 0; j < n_tiles; ++j) {
-    const int s = kStages == 1 ? 0 : j % kStages;
-    mbar_wait(bars.full(s), uint32_t((j / kStages) & 1));
-    ptx::fence_proxy_async(ptx::space_shared);
+  uint32_t pa[kBlockN / 16][4];  // P of a tile: the A fragments of its P V
+  // S = Q K^T of the tile in stage s (both K-major: 16 columns are +32 B inside a panel).
+  auto issue_s = [&](float(&sacc)[kSn][4], int s) {
     const uint32_t k_base = stage0 + s * lay.stage_bytes;
-
-    // S = Q K^T (both K-major: 16 columns are +32 B inside a panel).
-    float sacc[kSn][4];
+    // Q's 36 descriptors are loop-invariant: hoisted, they took 72 registers and spilled (244
+    // bytes); made opaque here, they are rebuilt per tile from one register.
+    uint32_t q_at = q_base;
+    asm volatile("" : "+r"(q_at));
     sm90::fence_operands(sacc);
     sm90::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kEntry / 16; ++ks) {
       const uint64_t da =
-          sm90::sw128_desc(q_base + (ks >> 2) * lay.q_panel + (ks & 3) * 32, 16, 1024);
+          sm90::sw128_desc(q_at + (ks >> 2) * lay.q_panel + (ks & 3) * 32, 16, 1024);
       const uint64_t db =
           sm90::sw128_desc(k_base + (ks >> 2) * lay.kv_panel + (ks & 3) * 32, 16, 1024);
       sm90::Wgmma<kBlockN, kBF16>::template ss<0>(sacc, da, db, ks > 0);
     }
     sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::fence_operands(sacc);
-
-    // Online softmax in log2 units (one FFMA per score: the scale joins the exponent).
+  };
+  // O += P V: V is the same tile read MN-major (16 keys are +2048 B; panels kv_panel apart).
+  auto issue_pv = [&](int s) {
+    const uint32_t k_base = stage0 + s * lay.stage_bytes;
+    sm90::fence_operands(o);
+    sm90::fence_operands(o_pe);
+    sm90::wgmma_fence();
+    const uint32_t v_base = k_base + 4 * cw * lay.kv_panel;
+    const uint32_t pe_base = k_base + 8 * lay.kv_panel;
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      sm90::Wgmma<256, kBF16>::template rs<1>(
+          o, pa[kk], sm90::sw128_desc(v_base + kk * 2048, lay.kv_panel, 1024), 1);
+      sm90::Wgmma<64, kBF16>::template rs<1>(
+          o_pe, pa[kk], sm90::sw128_desc(pe_base + kk * 2048, lay.kv_panel, 1024), 1);
+    }
+    sm90::wgmma_commit();
+  };
+  // Online softmax of tile j in log2 units (one FFMA per score: the scale joins the exponent);
+  // corr is the factor O must be rescaled by before P V of this tile joins it.
+  auto softmax = [&](float(&sacc)[kSn][4], int j, float(&corr)[2]) {
     const int ts = w.kv_begin + j * kBlockN;
     const float f = p.scale_log2;
     if (ts + kBlockN > mask_from) {
@@ -418,7 +437,7 @@ __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsig
         }
       }
     }
-    float corr[2], base[2], sum[2] = {0.0f, 0.0f};
+    float base[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
@@ -441,6 +460,8 @@ __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsig
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) l[h] = l[h] * corr[h] + sum[h];
+  };
+  auto rescale = [&](const float(&corr)[2]) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       o[i][0] *= corr[0], o[i][1] *= corr[0], o[i][2] *= corr[1], o[i][3] *= corr[1];
@@ -449,8 +470,9 @@ __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsig
     for (int i = 0; i < 8; ++i) {
       o_pe[i][0] *= corr[0], o_pe[i][1] *= corr[0], o_pe[i][2] *= corr[1], o_pe[i][3] *= corr[1];
     }
-    // P as the A fragments of P V (the S accumulator layout is wgmma's register-A layout).
-    uint32_t pa[kBlockN / 16][4];
+  };
+  // P as the A fragments of P V (the S accumulator layout is wgmma's register-A layout).
+  auto pack = [&](const float(&sacc)[kSn][4]) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       pa[kk][0] = pack2<T::act>(sacc[2 * kk][0], sacc[2 * kk][1]);
@@ -458,25 +480,68 @@ __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsig
       pa[kk][2] = pack2<T::act>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
       pa[kk][3] = pack2<T::act>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
     }
-
-    // O += P V: V is the same tile read MN-major (16 keys are +2048 B; panels kv_panel apart).
-    sm90::fence_operands(o);
-    sm90::fence_operands(o_pe);
-    sm90::wgmma_fence();
-    const uint32_t v_base = k_base + 4 * cw * lay.kv_panel;
-    const uint32_t pe_base = k_base + 8 * lay.kv_panel;
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      sm90::Wgmma<256, kBF16>::template rs<1>(
-          o, pa[kk], sm90::sw128_desc(v_base + kk * 2048, lay.kv_panel, 1024), 1);
-      sm90::Wgmma<64, kBF16>::template rs<1>(
-          o_pe, pa[kk], sm90::sw128_desc(pe_base + kk * 2048, lay.kv_panel, 1024), 1);
+  };
+  auto full_parity = [](int j) { return uint32_t((j / kStages) & 1); };
+  mbar_wait(bars.q_full(), 0);
+  // Straight-line wgmma groups (prologue, unconditional loop, epilogue): ptxas serialises the
+  // wgmmas (C7514) when a group's issue or wait sits under a condition it cannot prove uniform.
+  if constexpr (kStages >= 2) {
+    // FlashAttention-3's intra-warpgroup overlap: iteration j issues S_j and then P V of tile
+    // j - 1, waits for S_j only and runs its softmax while P V runs. The per-tile chain was S,
+    // softmax, P V in series (~5 us per 64-key tile, 0.41-0.47 of the copy rate).
+    if (n_tiles > 0) {
+      {
+        mbar_wait(bars.full(0), 0);
+        ptx::fence_proxy_async(ptx::space_shared);
+        float sacc[kSn][4], corr[2];
+        issue_s(sacc, 0);
+        sm90::wgmma_wait<0>();
+        sm90::fence_operands(sacc);
+        softmax(sacc, 0, corr);  // O is still zero: nothing to rescale
+        pack(sacc);
+      }
+      for (int j = 1; j < n_tiles; ++j) {
+        const int s = j % kStages, prev = (j - 1) % kStages;
+        mbar_wait(bars.full(s), full_parity(j));
+        ptx::fence_proxy_async(ptx::space_shared);
+        float sacc[kSn][4], corr[2];
+        issue_s(sacc, s);
+        issue_pv(prev);
+        sm90::wgmma_wait<1>();  // S_j done; P V of tile j - 1 still runs
+        sm90::fence_operands(sacc);
+        softmax(sacc, j, corr);
+        sm90::wgmma_wait<0>();
+        sm90::fence_operands(o);
+        sm90::fence_operands(o_pe);
+        ptx::mbarrier_arrive(bars.empty(prev));
+        rescale(corr);
+        pack(sacc);
+      }
+      const int last = (n_tiles - 1) % kStages;
+      issue_pv(last);
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(o);
+      sm90::fence_operands(o_pe);
+      ptx::mbarrier_arrive(bars.empty(last));
     }
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::fence_operands(o);
-    sm90::fence_operands(o_pe);
-    ptx::mbarrier_arrive(bars.empty(s));
+  } else {
+    // One stage (fp8: the widened tile): P V must finish before the stage is refilled.
+    for (int j = 0; j < n_tiles; ++j) {
+      mbar_wait(bars.full(0), full_parity(j));
+      ptx::fence_proxy_async(ptx::space_shared);
+      float sacc[kSn][4], corr[2];
+      issue_s(sacc, 0);
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(sacc);
+      softmax(sacc, j, corr);
+      rescale(corr);
+      pack(sacc);
+      issue_pv(0);
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(o);
+      sm90::fence_operands(o_pe);
+      ptx::mbarrier_arrive(bars.empty(0));
+    }
   }
 
   store_rows<T>(p, w, o, o_pe, m, l, row_a, t4, cw);
