@@ -97,6 +97,58 @@ struct PrefillRequest {
   int64_t row_begin;  // its first row among the prefill rows
 };
 
+// One pass's metadata over expanded rows seen as one-token blocks: request i's queries are its
+// prefill rows, its keys the key_len[i] rows from key_begin[i] (block b = expanded row b).
+// Causal, a request's keys are its own new tokens (context 0 as the pass sees it).
+StepMetadata one_token_block_step(const std::vector<PrefillRequest>& reqs,
+                                  const std::vector<int64_t>& key_begin,
+                                  const std::vector<int64_t>& key_len, bool causal) {
+  StepMetadata s;
+  s.causal = causal;
+  s.query_start_loc.push_back(0);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    s.max_query_len = std::max(s.max_query_len, int(reqs[i].q_len));
+    s.max_seq_len = std::max(s.max_seq_len, int(key_len[i]));
+  }
+  s.max_blocks_per_seq = std::max(1, s.max_seq_len);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    s.query_start_loc.push_back(int32_t(reqs[i].row_begin + reqs[i].q_len));
+    s.seq_lens.push_back(int32_t(key_len[i]));
+    for (int j = 0; j < s.max_blocks_per_seq; ++j) {
+      s.block_table.push_back(j < key_len[i] ? int32_t(key_begin[i] + j) : 0);
+    }
+  }
+  s.slot_mapping.assign(size_t(s.query_start_loc.back()), -1);  // nothing is written
+  return s;
+}
+
+// Latent entries of context positions [begin[i], begin[i] + len[i]) of each request, in that
+// order, from the paged cache ([num_blocks, block_size, 1, L + R]) into `latent` [keys, L + R]:
+// in the activation dtype, as vLLM gathers them into its workspace, fp8 read as
+// stored * k_scale.
+void gather_context(const AttentionMetadata& md, const std::vector<PrefillRequest>& reqs,
+                    const std::vector<int64_t>& begin, const std::vector<int64_t>& len,
+                    const KVCacheView& cache, float k_scale, DType act,
+                    std::vector<float>& latent) {
+  const TensorView& cv = cache.key;
+  const int bs = cache.block_size(), e = cache.head_size();
+  const double scale = is_fp8(cache.dtype()) ? double(k_scale) : 1.0;
+  int64_t keys = 0;
+  for (int64_t x : len) keys += x;
+  latent.assign(size_t(keys) * size_t(e), 0.0f);
+  float* lat = latent.data();
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    for (int64_t pos = begin[i]; pos < begin[i] + len[i]; ++pos, lat += e) {
+      const int64_t off =
+          block_at(md, reqs[i].index, pos / bs) * cv.stride(0) + (pos % bs) * cv.stride(1);
+      for (int c = 0; c < e; ++c) {
+        lat[c] =
+            rounded(float(load_element(cv.data, cv.dtype, off + c * cv.stride(3)) * scale), act);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 MLARequestSplit split_mla_requests(const AttentionMetadata& md, MLAFormulation formulation,
@@ -240,84 +292,47 @@ void MLAPrefill::forward(const TensorView& q, const TensorView& kv_c, const Tens
   Tensor k_new = Tensor::empty({tp, n, d}, act), v_new = Tensor::empty({tp, n, d}, act);
   expand(latent, tp, o, w, k_new.view(), v_new.view());
 
-  // Causal attention among each request's new tokens: request i's keys are its own rows, one
-  // token per block, its context 0 as this pass sees it.
-  StepMetadata causal;
-  causal.causal = true;
-  causal.query_start_loc.push_back(0);
-  for (const PrefillRequest& pr : reqs)
-    causal.max_query_len = std::max<int>(causal.max_query_len, int(pr.q_len));
-  causal.max_seq_len = causal.max_query_len;
-  causal.max_blocks_per_seq = causal.max_query_len;
+  // Causal attention among each request's new tokens.
+  std::vector<int64_t> key_begin, key_len;
   for (const PrefillRequest& pr : reqs) {
-    causal.query_start_loc.push_back(int32_t(pr.row_begin + pr.q_len));
-    causal.seq_lens.push_back(int32_t(pr.q_len));
-    for (int j = 0; j < causal.max_blocks_per_seq; ++j) {
-      causal.block_table.push_back(j < pr.q_len ? int32_t(pr.row_begin + j) : 0);
-    }
+    key_begin.push_back(pr.row_begin);
+    key_len.push_back(pr.q_len);
   }
-  causal.slot_mapping.assign(size_t(tp), -1);
   Tensor result = Tensor::empty({tp, n, d}, act);
   Tensor result_lse = Tensor::empty({n, tp}, DType::kF32);
-  attend(causal_config_, *causal_impl_, causal, query.view(), k_new.view(), v_new.view(),
-         result.view(), result_lse.view());
+  attend(causal_config_, *causal_impl_, one_token_block_step(reqs, key_begin, key_len, true),
+         query.view(), k_new.view(), v_new.view(), result.view(), result_lse.view());
 
   if (with_context > 0) {
-    // The cached context in chunks of at most context_chunk_tokens latent entries, an equal
-    // share per request (a whole number of blocks when a block fits), each chunk non-causal.
+    // The cached context in chunks of at most context_chunk_tokens latent entries (the
+    // workspace cap), an equal share per request with context (whole blocks when a block
+    // fits, as vLLM rounds it), each chunk non-causal; a request whose context is used up has
+    // no keys in a chunk (output 0, LSE -inf, which the merges skip).
     const int bs = cache.block_size();
     int64_t share = std::max<int64_t>(1, o.context_chunk_tokens / with_context);
     if (share >= bs) share -= share % bs;
     const int64_t num_chunks = (max_context + share - 1) / share;
-    const bool fp8 = is_fp8(cache.dtype());
     Tensor acc = Tensor::empty({tp, n, d}, act), acc_lse = Tensor::empty({n, tp}, DType::kF32);
     Tensor part = Tensor::empty({tp, n, d}, act), part_lse = Tensor::empty({n, tp}, DType::kF32);
     Tensor merged = Tensor::empty({tp, n, d}, act);
     Tensor merged_lse = Tensor::empty({n, tp}, DType::kF32);
-    const TensorView& cv = cache.key;  // [num_blocks, block_size, 1, L + R]
     for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
-      StepMetadata ctx;
-      ctx.causal = false;
-      ctx.query_start_loc.push_back(0);
-      std::vector<std::pair<int64_t, int64_t>> ranges;  // [begin, end) context positions
+      std::vector<int64_t> begin;
       int64_t num_keys = 0;
-      for (const PrefillRequest& pr : reqs) {
-        const int64_t begin = std::min(pr.context, chunk * share);
-        const int64_t end = std::min(pr.context, begin + share);
-        ranges.emplace_back(begin, end);
-        num_keys += end - begin;
-        ctx.max_seq_len = std::max<int>(ctx.max_seq_len, int(end - begin));
-      }
-      ctx.max_query_len = causal.max_query_len;
-      ctx.max_blocks_per_seq = std::max(1, ctx.max_seq_len);
-      latent.assign(size_t(num_keys) * size_t(e), 0.0f);
-      int64_t key = 0;
       for (size_t i = 0; i < reqs.size(); ++i) {
-        const PrefillRequest& pr = reqs[i];
-        const auto [begin, end] = ranges[i];
-        ctx.query_start_loc.push_back(int32_t(pr.row_begin + pr.q_len));
-        ctx.seq_lens.push_back(int32_t(end - begin));
-        for (int j = 0; j < ctx.max_blocks_per_seq; ++j) {
-          ctx.block_table.push_back(j < end - begin ? int32_t(key + j) : 0);
-        }
-        // Gathered in the activation dtype, fp8 read as stored * k_scale.
-        for (int64_t pos = begin; pos < end; ++pos, ++key) {
-          const int64_t block = block_at(md, pr.index, pos / bs);
-          const int64_t off = block * cv.stride(0) + (pos % bs) * cv.stride(1);
-          float* lat = &latent[size_t(key) * size_t(e)];
-          for (int c = 0; c < e; ++c) {
-            const double x = load_element(cv.data, cv.dtype, off + c * cv.stride(3));
-            lat[c] = rounded(float(fp8 ? x * double(k_scale) : x), act);
-          }
-        }
+        begin.push_back(std::min(reqs[i].context, chunk * share));
+        key_len[i] = std::min(reqs[i].context, begin[i] + share) - begin[i];
+        key_begin[i] = num_keys;
+        num_keys += key_len[i];
       }
-      ctx.slot_mapping.assign(size_t(tp), -1);
-      Tensor k_ctx = Tensor::empty({std::max<int64_t>(num_keys, 1), n, d}, act);
-      Tensor v_ctx = Tensor::empty({std::max<int64_t>(num_keys, 1), n, d}, act);
+      gather_context(md, reqs, begin, key_len, cache, k_scale, act, latent);
+      Tensor k_ctx = Tensor::empty({num_keys, n, d}, act);
+      Tensor v_ctx = Tensor::empty({num_keys, n, d}, act);
       expand(latent, num_keys, o, w, k_ctx.view(), v_ctx.view());
       const bool first = chunk == 0;
-      attend(context_config_, *context_impl_, ctx, query.view(), k_ctx.view(), v_ctx.view(),
-             first ? acc.view() : part.view(), first ? acc_lse.view() : part_lse.view());
+      attend(context_config_, *context_impl_, one_token_block_step(reqs, key_begin, key_len, false),
+             query.view(), k_ctx.view(), v_ctx.view(), first ? acc.view() : part.view(),
+             first ? acc_lse.view() : part_lse.view());
       if (!first) {  // left to right, as vLLM merges its chunks
         backend_->merge_states({acc.view(),
                                 acc_lse.view(),
