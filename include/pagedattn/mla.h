@@ -143,9 +143,10 @@ struct MLAStepCase {
 /// Checks an MLA step's `output` [T, N * V] and `latent_cache_after` (host) against the same
 /// layer with its attention on the float64 reference backend, output in float64 (the oracle),
 /// within the budget of the low-precision reference (accuracy.h, default_tolerance(dtype)); the
-/// latent cache must be bit-identical to the reference's write. The layer's own projections
-/// (absorption, up-projection) run in all three, so this checks what the backend computes;
-/// tests/unit/test_mla.cpp checks the projections against the non-absorbed formulation.
+/// latent cache must be bit-identical to the reference's write. All three run the step's
+/// formulation (step.options.formulation) and the layer's own arithmetic (absorption,
+/// expansion, up-projection), so this checks what the backend computes, its merge_states
+/// included; tests/unit/test_mla.cpp checks the layer against the non-absorbed formulation.
 CaseCheck check_mla_step(const MLAStepCase& step, const TensorView& output,
                          const TensorView& latent_cache_after);
 

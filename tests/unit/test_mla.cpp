@@ -711,6 +711,46 @@ TEST(MLAAttention, TheTwoFormulationsAgreeOnTheSameStep) {
   }
 }
 
+// The reference with a merge that keeps only the prefix side: the context chunks of a prefill
+// go through the backend's merge_states, so the layer's result must fail the rule.
+class PrefixOnlyMergeBackend final : public Backend {
+ public:
+  explicit PrefixOnlyMergeBackend(std::unique_ptr<Backend> ref) : ref_(std::move(ref)) {}
+  std::string_view name() const override { return "prefix_only_merge"; }
+  std::string_view description() const override { return "ref, merge_states keeps the prefix"; }
+  std::vector<std::string> check(const BackendQuery& q) const override { return ref_->check(q); }
+  std::unique_ptr<AttentionImpl> make_impl(const AttentionConfig& c, Device d) const override {
+    return ref_->make_impl(c, d);
+  }
+  std::unique_ptr<Plan> plan(const AttentionMetadata& md, const AttentionConfig& c) const override {
+    return ref_->plan(md, c);
+  }
+  void merge_states(const MergeArgs& a) const override {
+    MergeArgs wrong = a;
+    wrong.suffix_output = a.prefix_output;
+    wrong.suffix_lse = a.prefix_lse;
+    ref_->merge_states(wrong);
+  }
+
+ private:
+  std::unique_ptr<Backend> ref_;
+};
+
+TEST(MLAAttention, ThePrefillFormulationMergesThroughTheBackend) {
+  const StepCase c{"bad merge", DType::kF32, kAuto, 16, {{40, 6}, {0, 5}}, 16};
+  const StepData s = draw_step(c, 300);
+  const Tensor want = step_reference(s, prefill_requests(s, MLAFormulation::kSplit));
+  Registry registry;
+  registry.add(
+      std::make_unique<PrefixOnlyMergeBackend>(ref::make_backend(ref::Precision::kFloat64)));
+  const int64_t t_a = actual_tokens(c);
+  const Tensor got = run_step(s, MLAFormulation::kSplit, "prefix_only_merge", registry);
+  EXPECT_GT(compare(got.view().slice(0, 0, t_a), want.view()).max_abs, 1e-2);
+  // The absorbed formulation merges nothing: there the same backend is right.
+  const Tensor fresh = run_step(s, MLAFormulation::kAbsorbed, "prefix_only_merge", registry);
+  EXPECT_LT(compare(fresh.view().slice(0, 0, t_a), want.view()).max_abs, 1e-4);
+}
+
 TEST(MLAAttention, ValidatesFormulationOptions) {
   EXPECT_EQ(parse_mla_formulation("prefill"), MLAFormulation::kPrefill);
   EXPECT_EQ(to_string(parse_mla_formulation("split")), "split");
