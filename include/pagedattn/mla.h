@@ -125,7 +125,6 @@ class MLAAttention {
   std::vector<float> w_uv_;    // [N, L, V]
   std::vector<float> w_uk_;    // [N, L, P]: W_UK_T transposed, the prefill formulation's layout
   std::unique_ptr<detail::MLAPrefill> prefill_;  // built on the first prefill
-  Tensor workspace_;                             // the absorbed sub-steps' plan workspace
 };
 
 /// One step of an MLAAttention layer as it ran, for check_mla_step. Host tensors and views.

@@ -221,7 +221,7 @@ void MLAAttention::forward(const TensorView& q, const TensorView& kv_c, const Te
   }
   if (!prefill_) prefill_ = std::make_unique<detail::MLAPrefill>(options_, *backend_);
   prefill_->forward(q, kv_c, k_pe, *md, split.prefills, cache_, k_scale_,
-                    detail::MLAWeights{w_uk_.data(), w_uv_.data()}, output);
+                    detail::MLAWeights{w_uk_.data(), w_uv_.data()}, context_, output);
 }
 
 void MLAAttention::forward_absorbed(const TensorView& q, const AttentionMetadata& md,
@@ -259,15 +259,7 @@ void MLAAttention::forward_absorbed(const TensorView& q, const AttentionMetadata
   f.metadata = &md;
   f.output = o_lat.view();
   f.plan = &plan;
-  if (rows.empty()) {
-    f.workspace = context_.workspace(Device::cpu(), plan.workspace_bytes());
-  } else {
-    const size_t bytes = plan.workspace_bytes();
-    if (bytes > 0 && (!workspace_.defined() || size_t(workspace_.view().numel()) < bytes)) {
-      workspace_ = Tensor::empty({int64_t(bytes)}, DType::kU8, options_.device);
-    }
-    f.workspace = {bytes > 0 ? workspace_.data() : nullptr, bytes};
-  }
+  f.workspace = context_.workspace(Device::cpu(), plan.workspace_bytes());
   check_forward_args(config_, f, /*check_metadata=*/false);
   impl_->forward(f);
   // Up-projection of the latent output's first L columns by W_UV.

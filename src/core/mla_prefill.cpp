@@ -221,14 +221,10 @@ MLAPrefill::~MLAPrefill() = default;
 
 void MLAPrefill::attend(const AttentionConfig& config, AttentionImpl& impl, const StepMetadata& md,
                         const TensorView& query, const TensorView& key, const TensorView& value,
-                        const TensorView& output, const TensorView& lse) {
+                        ForwardContext& context, const TensorView& output, const TensorView& lse) {
   const AttentionMetadata view = md.view();
   validate_metadata(view, config.attn_type, CacheGeometry{key.size(0), 1});
   const auto plan = backend_->plan(view, config);
-  const size_t bytes = plan->workspace_bytes();
-  if (bytes > 0 && (!workspace_.defined() || size_t(workspace_.view().numel()) < bytes)) {
-    workspace_ = Tensor::empty({int64_t(bytes)}, DType::kU8, options_.device);
-  }
   ForwardArgs f;
   f.query = query;
   f.kv_cache = KVCacheView{as_one_token_blocks(key), as_one_token_blocks(value)};
@@ -236,7 +232,7 @@ void MLAPrefill::attend(const AttentionConfig& config, AttentionImpl& impl, cons
   f.output = output;
   f.lse = lse;
   f.plan = plan.get();
-  f.workspace = {bytes > 0 ? workspace_.data() : nullptr, bytes};
+  f.workspace = context.workspace(options_.device, plan->workspace_bytes());
   check_forward_args(config, f, /*check_metadata=*/false);
   impl.forward(f);
 }
@@ -244,7 +240,7 @@ void MLAPrefill::attend(const AttentionConfig& config, AttentionImpl& impl, cons
 void MLAPrefill::forward(const TensorView& q, const TensorView& kv_c, const TensorView& k_pe,
                          const AttentionMetadata& md, const std::vector<int>& requests,
                          const KVCacheView& cache, float k_scale, const MLAWeights& w,
-                         const TensorView& output) {
+                         ForwardContext& context, const TensorView& output) {
   const MLAOptions& o = options_;
   const int n = o.num_heads, p = o.qk_nope_head_dim, r = o.qk_rope_head_dim;
   const int vd = o.v_head_dim, l = o.kv_lora_rank, e = l + r, d = p + r;
@@ -255,11 +251,11 @@ void MLAPrefill::forward(const TensorView& q, const TensorView& kv_c, const Tens
   for (int ri : requests) {
     const int64_t begin = i32_at(md.query_start_loc_cpu, ri);
     const int64_t q_len = i32_at(md.query_start_loc_cpu, ri + 1) - begin;
-    const int64_t context = i32_at(md.seq_lens_cpu, ri) - q_len;
-    reqs.push_back({ri, begin, q_len, context, tp});
+    const int64_t cached = i32_at(md.seq_lens_cpu, ri) - q_len;
+    reqs.push_back({ri, begin, q_len, cached, tp});
     tp += q_len;
-    max_context = std::max(max_context, context);
-    with_context += context > 0 ? 1 : 0;
+    max_context = std::max(max_context, cached);
+    with_context += cached > 0 ? 1 : 0;
   }
   if (tp == 0) return;
 
@@ -301,7 +297,7 @@ void MLAPrefill::forward(const TensorView& q, const TensorView& kv_c, const Tens
   Tensor result = Tensor::empty({tp, n, d}, act);
   Tensor result_lse = Tensor::empty({n, tp}, DType::kF32);
   attend(causal_config_, *causal_impl_, one_token_block_step(reqs, key_begin, key_len, true),
-         query.view(), k_new.view(), v_new.view(), result.view(), result_lse.view());
+         query.view(), k_new.view(), v_new.view(), context, result.view(), result_lse.view());
 
   if (with_context > 0) {
     // The cached context in chunks of at most context_chunk_tokens latent entries (the
@@ -331,7 +327,7 @@ void MLAPrefill::forward(const TensorView& q, const TensorView& kv_c, const Tens
       expand(latent, num_keys, o, w, k_ctx.view(), v_ctx.view());
       const bool first = chunk == 0;
       attend(context_config_, *context_impl_, one_token_block_step(reqs, key_begin, key_len, false),
-             query.view(), k_ctx.view(), v_ctx.view(), first ? acc.view() : part.view(),
+             query.view(), k_ctx.view(), v_ctx.view(), context, first ? acc.view() : part.view(),
              first ? acc_lse.view() : part_lse.view());
       if (!first) {  // left to right, as vLLM merges its chunks
         backend_->merge_states({acc.view(),

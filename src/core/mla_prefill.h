@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "pagedattn/backend.h"
+#include "pagedattn/forward_context.h"
 #include "pagedattn/mla.h"
 
 namespace pagedattn::detail {
@@ -49,20 +50,19 @@ class MLAPrefill {
   void forward(const TensorView& q, const TensorView& kv_c, const TensorView& k_pe,
                const AttentionMetadata& md, const std::vector<int>& requests,
                const KVCacheView& cache, float k_scale, const MLAWeights& weights,
-               const TensorView& output);
+               ForwardContext& context, const TensorView& output);
 
  private:
   // One attention call over expanded K/V rows [num_keys, N, P + R] as one-token blocks; output
-  // [Tp, N, P + R] and lse [N, Tp].
+  // [Tp, N, P + R] and lse [N, Tp]; scratch from the context's workspace.
   void attend(const AttentionConfig& config, AttentionImpl& impl, const StepMetadata& md,
               const TensorView& query, const TensorView& key, const TensorView& value,
-              const TensorView& output, const TensorView& lse);
+              ForwardContext& context, const TensorView& output, const TensorView& lse);
 
   MLAOptions options_;
   const Backend* backend_ = nullptr;
   AttentionConfig causal_config_, context_config_;
   std::unique_ptr<AttentionImpl> causal_impl_, context_impl_;
-  Tensor workspace_;  // the passes' plan workspace, grown on demand
 };
 
 }  // namespace pagedattn::detail
