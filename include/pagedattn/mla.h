@@ -1,9 +1,11 @@
 // MLAAttention: DeepSeek-V2/V3 multi-head latent attention (spec section 5) over a paged
-// latent cache, in the absorbed (decode) formulation for every token.
+// latent cache: decodes in the absorbed formulation, prefills in the expanded one, as vLLM does.
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "pagedattn/backend.h"
@@ -15,6 +17,20 @@
 #include "pagedattn/registry.h"
 
 namespace pagedattn {
+
+namespace detail {
+class MLAPrefill;
+}
+
+/// Which formulation of spec 5.4 MLAAttention runs a request in.
+enum class MLAFormulation {
+  kSplit,     ///< vLLM's: query length <= decode_threshold absorbed, longer ones prefill
+  kAbsorbed,  ///< every request absorbed (MQA over the latent cache)
+  kPrefill,   ///< every request in the prefill formulation (K/V expanded per head)
+};
+std::string_view to_string(MLAFormulation formulation);
+/// Parses "split" | "absorbed" | "prefill"; throws InvalidArgument.
+MLAFormulation parse_mla_formulation(std::string_view name);
 
 /// vLLM's MLAAttention.__init__ parameters (N, P, R, V, L in spec 5.1's symbols).
 struct MLAOptions {
@@ -30,25 +46,42 @@ struct MLAOptions {
   std::optional<std::string> attn_backend;  ///< force a backend by name
   DType dtype = DType::kBF16;
   Device device{};
+  /// kSplit is vLLM's; the other two force one formulation on every request (tests, benchmarks).
+  MLAFormulation formulation = MLAFormulation::kSplit;
+  /// vLLM's reorder_batch_threshold: a request of at most this many new tokens is a decode.
+  int decode_threshold = 1;
+  /// Latent entries of cached context gathered and expanded at once (the workspace cap; vLLM's
+  /// Wt). Each prefill with context gets an equal share per chunk (at least one token).
+  int context_chunk_tokens = 4096;
 };
 
-/// The layer. Every token runs the absorbed formulation (spec 5.4's decode path): the query's
+/// The layer. Decode requests run the absorbed formulation (spec 5.4's decode path): the query's
 /// no-RoPE part is multiplied by W_UK^T into the latent space, attention runs as MQA of all N
 /// heads against one latent KV head of L + R (the cache entry, also used as V: the output's
-/// last R columns are dropped), and the latent output is projected by W_UV. It equals the
-/// prefill formulation exactly in real arithmetic (q_nope . W_UK kv_c = (q_nope W_UK^T) . kv_c,
-/// P (kv_c W_UV) = (P kv_c) W_UV). This version computes the projections on the host: CPU
-/// tensors only (the CUDA MLA kernels are issue 7's next part); the attention itself runs on the
-/// selected backend (cpu or ref), every fp8 latent cache included.
+/// last R columns are dropped), and the latent output is projected by W_UV. Prefill requests
+/// run the prefill formulation (spec 5.4's prefill path): K = [kv_c W_UK | k_pe] and
+/// V = kv_c W_UV per head, ordinary MHA of head size P + R (V zero-padded to it); the step's new
+/// tokens attend causally among themselves (from the inputs, as vLLM does: an fp8 cache's
+/// rounding does not touch them), the cached context in chunks of at most context_chunk_tokens
+/// gathered from the cache (fp8 dequantised with k_scale), non-causal, merged by LSE. Both equal
+/// each other in real arithmetic (q_nope . W_UK kv_c = (q_nope W_UK^T) . kv_c,
+/// P (kv_c W_UV) = (P kv_c) W_UV); the prefill one costs fewer FLOPs per prefill token at
+/// DeepSeek's sizes. Requests are classified one by one, so the batch need not be ordered
+/// decodes first. This version computes the projections on the host: CPU tensors only (the CUDA
+/// MLA kernels are issue 7's next part); the attention itself runs on the selected backend
+/// (cpu or ref), every fp8 latent cache included; the prefill formulation needs the backend to
+/// take N heads of P + R with a block size of 1, and its merge_states.
 class MLAAttention {
  public:
   MLAAttention(ForwardContext& context, const MLAOptions& options,
                const Registry& registry = default_registry());
+  ~MLAAttention();
 
   /// The latent attention as the backends see it: N heads, 1 KV head, head_size L + R, causal.
   const AttentionConfig& config() const { return config_; }
   const Backend& backend() const { return *backend_; }
   int v_head_dim() const { return options_.v_head_dim; }
+  MLAFormulation formulation() const { return options_.formulation; }
   /// MLAAttentionSpec: one latent entry of L + R per token (spec 7.1).
   KVCacheSpec get_kv_cache_spec() const;
 
@@ -74,6 +107,12 @@ class MLAAttention {
                const TensorView& output);
 
  private:
+  // The absorbed formulation for the requests of `md` (rows [0, md.num_actual_tokens)), whose
+  // row i is the layer's input and output row rows[i] (empty: the identity).
+  void forward_absorbed(const TensorView& q, const AttentionMetadata& md,
+                        const std::vector<int64_t>& rows, const Plan& plan,
+                        const TensorView& output);
+
   ForwardContext& context_;
   MLAOptions options_;
   AttentionConfig config_;
@@ -84,6 +123,8 @@ class MLAAttention {
   bool calibrate_ = false;     // a calibration is still owed
   std::vector<float> w_uk_t_;  // [N, P, L]
   std::vector<float> w_uv_;    // [N, L, V]
+  std::vector<float> w_uk_;    // [N, L, P]: W_UK_T transposed, the prefill formulation's layout
+  std::unique_ptr<detail::MLAPrefill> prefill_;  // built on the first prefill
 };
 
 /// One step of an MLAAttention layer as it ran, for check_mla_step. Host tensors and views.
@@ -101,9 +142,10 @@ struct MLAStepCase {
 /// Checks an MLA step's `output` [T, N * V] and `latent_cache_after` (host) against the same
 /// layer with its attention on the float64 reference backend, output in float64 (the oracle),
 /// within the budget of the low-precision reference (accuracy.h, default_tolerance(dtype)); the
-/// latent cache must be bit-identical to the reference's write. The layer's own projections
-/// (absorption, up-projection) run in all three, so this checks what the backend computes;
-/// tests/unit/test_mla.cpp checks the projections against the non-absorbed formulation.
+/// latent cache must be bit-identical to the reference's write. All three run the step's
+/// formulation (step.options.formulation) and the layer's own arithmetic (absorption,
+/// expansion, up-projection), so this checks what the backend computes, its merge_states
+/// included; tests/unit/test_mla.cpp checks the layer against the non-absorbed formulation.
 CaseCheck check_mla_step(const MLAStepCase& step, const TensorView& output,
                          const TensorView& latent_cache_after);
 

@@ -158,7 +158,8 @@ void make_mla(PyMLA* self, PyForwardContext& context, int num_heads, float scale
               int qk_nope_head_dim, int qk_rope_head_dim, int v_head_dim,
               std::optional<int> q_lora_rank, int kv_lora_rank, nb::handle kv_b_proj,
               std::optional<CacheConfig> cache_config, const std::string& prefix,
-              std::optional<std::string> attn_backend, nb::handle dtype, nb::handle device) {
+              std::optional<std::string> attn_backend, nb::handle dtype, nb::handle device,
+              const std::string& formulation, int decode_threshold, int context_chunk_tokens) {
   MLAOptions o;
   o.num_heads = num_heads;
   o.scale = scale;
@@ -172,6 +173,9 @@ void make_mla(PyMLA* self, PyForwardContext& context, int num_heads, float scale
   o.attn_backend = std::move(attn_backend);
   o.dtype = parse_dtype(dtype);
   o.device = parse_device(device);
+  o.formulation = parse_mla_formulation(formulation);
+  o.decode_threshold = decode_threshold;
+  o.context_chunk_tokens = context_chunk_tokens;
   new (self) PyMLA(context.ctx, o);
   if (!kv_b_proj.is_none()) self->layer.load_kv_b_proj(to_view(kv_b_proj, "kv_b_proj"));
 }
@@ -304,15 +308,22 @@ void bind_layer(nb::module_& m) {
            nb::arg("output").none() = nb::none());
 
   nb::class_<PyMLA>(m, "MLAAttention",
-                    "vLLM's MLAAttention (DeepSeek latent attention) over a paged latent cache, "
-                    "absorbed formulation; host arrays on the ref and cpu backends.")
+                    "vLLM's MLAAttention (DeepSeek latent attention) over a paged latent cache: "
+                    "decodes absorbed, prefills with K/V expanded per head and the cached "
+                    "context in chunks merged by LSE (formulation='split', vLLM's; 'absorbed' "
+                    "or 'prefill' force one for every request); host arrays on the ref and cpu "
+                    "backends.")
       .def("__init__", &make_mla, nb::arg("context"), nb::arg("num_heads"), nb::arg("scale"),
            nb::arg("qk_nope_head_dim"), nb::arg("qk_rope_head_dim"), nb::arg("v_head_dim"),
            nb::arg("q_lora_rank").none(), nb::arg("kv_lora_rank"),
            nb::arg("kv_b_proj").none() = nb::none(), nb::arg("cache_config").none() = nb::none(),
            nb::arg("prefix") = "", nb::arg("attn_backend").none() = nb::none(),
-           nb::arg("dtype") = "bfloat16", nb::arg("device") = "cpu")
+           nb::arg("dtype") = "bfloat16", nb::arg("device") = "cpu",
+           nb::arg("formulation") = "split", nb::arg("decode_threshold") = 1,
+           nb::arg("context_chunk_tokens") = MLAOptions{}.context_chunk_tokens)
       .def_prop_ro("config", [](const PyMLA& a) { return a.layer.config(); })
+      .def_prop_ro("formulation",
+                   [](const PyMLA& a) { return std::string(to_string(a.layer.formulation())); })
       .def_prop_ro("backend_name",
                    [](const PyMLA& a) { return std::string(a.layer.backend().name()); })
       .def_prop_rw(

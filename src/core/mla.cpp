@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/mla_prefill.h"
 #include "pagedattn/error.h"
 
 namespace pagedattn {
@@ -40,6 +41,27 @@ float rounded(double x, DType dtype) {
 
 }  // namespace
 
+std::string_view to_string(MLAFormulation f) {
+  switch (f) {
+    case MLAFormulation::kSplit:
+      return "split";
+    case MLAFormulation::kAbsorbed:
+      return "absorbed";
+    case MLAFormulation::kPrefill:
+      return "prefill";
+  }
+  return "?";
+}
+
+MLAFormulation parse_mla_formulation(std::string_view name) {
+  for (MLAFormulation f :
+       {MLAFormulation::kSplit, MLAFormulation::kAbsorbed, MLAFormulation::kPrefill}) {
+    if (name == to_string(f)) return f;
+  }
+  detail::fail<InvalidArgument>("MLA formulation '", name,
+                                "' is not one of split, absorbed, prefill");
+}
+
 MLAAttention::MLAAttention(ForwardContext& context, const MLAOptions& options,
                            const Registry& registry)
     : context_(context), options_(options), config_(make_config(options)) {
@@ -49,11 +71,17 @@ MLAAttention::MLAAttention(ForwardContext& context, const MLAOptions& options,
           ", qk_nope_head_dim=", options.qk_nope_head_dim,
           ", qk_rope_head_dim=", options.qk_rope_head_dim, ", v_head_dim=", options.v_head_dim,
           ", kv_lora_rank=", options.kv_lora_rank);
+  require(options.decode_threshold >= 1, "decode_threshold (", options.decode_threshold,
+          ") must be >= 1");
+  require(options.context_chunk_tokens >= 1, "context_chunk_tokens (", options.context_chunk_tokens,
+          ") must be >= 1");
   config_.validate();
   calibrate_ = options.cache_config && options.cache_config->calculate_kv_scales;
   backend_ = &registry.select(BackendQuery{config_, options.device}, options.attn_backend);
   impl_ = backend_->make_impl(config_, options.device);
 }
+
+MLAAttention::~MLAAttention() = default;
 
 KVCacheSpec MLAAttention::get_kv_cache_spec() const {
   return KVCacheSpec::mla(config_.block_size, config_.head_size, config_.cache_dtype());
@@ -70,12 +98,15 @@ void MLAAttention::load_kv_b_proj(const TensorView& w) {
   require(w.device.is_cpu() && is_floating(w.dtype),
           "kv_b_proj must be a float tensor on the host; got ", describe(w));
   w_uk_t_.assign(size_t(n) * p * l, 0.0f);
+  w_uk_.assign(size_t(n) * l * p, 0.0f);
   w_uv_.assign(size_t(n) * l * v, 0.0f);
   for (int li = 0; li < l; ++li) {
     for (int h = 0; h < n; ++h) {
       const int64_t col = int64_t(h) * (p + v);
       for (int pi = 0; pi < p; ++pi) {
-        w_uk_t_[(size_t(h) * p + pi) * l + li] = rounded(at(w, li, col + pi), config_.dtype);
+        const float x = rounded(at(w, li, col + pi), config_.dtype);
+        w_uk_t_[(size_t(h) * p + pi) * l + li] = x;
+        w_uk_[(size_t(h) * l + li) * p + pi] = x;
       }
       for (int vi = 0; vi < v; ++vi) {
         w_uv_[(size_t(h) * l + li) * v + vi] = rounded(at(w, li, col + p + vi), config_.dtype);
@@ -175,38 +206,66 @@ void MLAAttention::forward(const TensorView& q, const TensorView& kv_c, const Te
   }
   const KVScales scales{k_scale_, k_scale_};
   impl_->write_kv({latent.view(), latent.view(), md->slot_mapping, cache_, scales, {}});
-  // 2. The absorbed query [q_nope W_UK^T | q_pe], rounded to the activation dtype.
+  // 2. Each request in its formulation: decodes absorbed, prefills expanded (spec 5.4).
+  const detail::MLARequestSplit split =
+      detail::split_mla_requests(*md, options_.formulation, options_.decode_threshold);
+  if (split.prefills.empty()) {
+    forward_absorbed(q, *md, {}, context_.plan(0, *backend_, config_), output);
+    return;
+  }
+  if (!split.decodes.empty()) {
+    std::vector<int64_t> rows;
+    const StepMetadata sub = detail::subset_metadata(*md, split.decodes, rows);
+    const auto plan = backend_->plan(sub.view(), config_);
+    forward_absorbed(q, sub.view(), rows, *plan, output);
+  }
+  if (!prefill_) prefill_ = std::make_unique<detail::MLAPrefill>(options_, *backend_);
+  prefill_->forward(q, kv_c, k_pe, *md, split.prefills, cache_, k_scale_,
+                    detail::MLAWeights{w_uk_.data(), w_uv_.data()}, context_, output);
+}
+
+void MLAAttention::forward_absorbed(const TensorView& q, const AttentionMetadata& md,
+                                    const std::vector<int64_t>& rows, const Plan& plan,
+                                    const TensorView& output) {
+  const int n = options_.num_heads, p = options_.qk_nope_head_dim, r = options_.qk_rope_head_dim;
+  const int v = options_.v_head_dim, l = options_.kv_lora_rank, e = l + r;
+  const DType act = config_.dtype;
+  const int64_t ta = md.num_actual_tokens;
+  auto row = [&rows](int64_t t) { return rows.empty() ? t : rows[size_t(t)]; };
+  // The absorbed query [q_nope W_UK^T | q_pe], rounded to the activation dtype.
   Tensor qa = Tensor::empty({ta, n, e}, act);
   std::vector<float> acc(static_cast<size_t>(l), 0.0f);
   for (int64_t t = 0; t < ta; ++t) {
+    const int64_t src = row(t);
     for (int h = 0; h < n; ++h) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int pi = 0; pi < p; ++pi) {
-        const float qv = float(at(q, t, h, pi));
+        const float qv = float(at(q, src, h, pi));
         const float* w = &w_uk_t_[(size_t(h) * p + pi) * l];
         for (int li = 0; li < l; ++li) acc[size_t(li)] += qv * w[li];
       }
       const int64_t base = (t * n + h) * e;
       for (int li = 0; li < l; ++li) store_element(qa.data(), act, base + li, acc[size_t(li)]);
       for (int ri = 0; ri < r; ++ri)
-        store_element(qa.data(), act, base + l + ri, at(q, t, h, p + ri));
+        store_element(qa.data(), act, base + l + ri, at(q, src, h, p + ri));
     }
   }
-  // 3. MQA over the latent cache.
+  // MQA over the latent cache.
   Tensor o_lat = Tensor::empty({ta, n, e}, act);
   ForwardArgs f;
   f.query = qa.view();
   f.kv_cache = cache_;
-  f.scales = scales;
-  f.metadata = md;
+  f.scales = KVScales{k_scale_, k_scale_};
+  f.metadata = &md;
   f.output = o_lat.view();
-  f.plan = &context_.plan(0, *backend_, config_);
-  f.workspace = context_.workspace(Device::cpu(), f.plan->workspace_bytes());
+  f.plan = &plan;
+  f.workspace = context_.workspace(Device::cpu(), plan.workspace_bytes());
   check_forward_args(config_, f, /*check_metadata=*/false);
   impl_->forward(f);
-  // 4. Up-projection of the latent output's first L columns by W_UV.
+  // Up-projection of the latent output's first L columns by W_UV.
   std::vector<float> lat(static_cast<size_t>(l), 0.0f), out(static_cast<size_t>(v), 0.0f);
   for (int64_t t = 0; t < ta; ++t) {
+    const int64_t dst = row(t);
     for (int h = 0; h < n; ++h) {
       for (int li = 0; li < l; ++li)
         lat[size_t(li)] = float(load_element(o_lat.data(), act, (t * n + h) * e + li));
@@ -217,7 +276,7 @@ void MLAAttention::forward(const TensorView& q, const TensorView& kv_c, const Te
       }
       for (int vi = 0; vi < v; ++vi) {
         store_element(output.data, output.dtype,
-                      t * output.stride(0) + (int64_t(h) * v + vi) * output.stride(1),
+                      dst * output.stride(0) + (int64_t(h) * v + vi) * output.stride(1),
                       out[size_t(vi)]);
       }
     }

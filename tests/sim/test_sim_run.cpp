@@ -136,6 +136,8 @@ class ScaledBackend : public Backend {
   std::unique_ptr<Plan> plan(const AttentionMetadata& md, const AttentionConfig& c) const override {
     return ref_.plan(md, c);
   }
+  // MLA's prefill formulation merges its partial results with the backend's merge_states.
+  void merge_states(const MergeArgs& a) const override { ref_.merge_states(a); }
 
  private:
   const Backend& ref_;
@@ -211,12 +213,37 @@ TEST(SimRun, DeepSeekV3RunsMLAAttentionAndMatchesTheReference) {
   const nlohmann::json j = nlohmann::json::parse(report_json(r));
   EXPECT_EQ(j["model"]["layer"], "MLAAttention");
   EXPECT_EQ(j["model"]["mla"]["kv_lora_rank"], 512);
+  EXPECT_EQ(j["model"]["mla"]["formulation"], "split");
   EXPECT_EQ(j["model"]["scaled_down"]["model_num_layers"], 61);
   EXPECT_EQ(j["verification"]["passed"], true);
   const std::string text = format_report(r);
   EXPECT_NE(text.find("MLAAttention layers"), std::string::npos) << text;
   EXPECT_NE(text.find("scaled down"), std::string::npos) << text;
   EXPECT_NE(text.find("all passed"), std::string::npos) << text;
+}
+
+// Either formulation forced on every request, the prefill one with the cached context (prefix
+// hits, chunked prefills) expanded 16 latent entries at a time: several chunks per step.
+TEST(SimRun, DeepSeekV3EitherFormulationMatchesTheReference) {
+  for (MLAFormulation f : {MLAFormulation::kAbsorbed, MLAFormulation::kPrefill}) {
+    SimOptions o = deepseek_options();
+    o.workload.num_requests = 3;
+    o.workload.output_len_median = 3;  // forced prefill re-expands the context at every decode
+    o.verify_every = 2;
+    o.mla_formulation = f;
+    o.mla_context_chunk_tokens = 16;
+    const SimReport r = run_simulation(o);
+    EXPECT_TRUE(r.passed()) << to_string(f);
+    EXPECT_GT(r.prefix_hit_tokens, 0);
+    EXPECT_EQ(r.failed_checks, 0) << to_string(f);
+    EXPECT_NE(format_report(r).find(std::string(to_string(f)) + " for every request"),
+              std::string::npos);
+  }
+  SimOptions o = tiny_options();
+  o.mla_formulation = MLAFormulation::kPrefill;
+  EXPECT_ERROR(run_simulation(o), InvalidArgument,
+               "--mla-formulation prefill / --mla-context-chunk-tokens 4096 apply to MLA presets "
+               "only; preset tiny runs Attention layers");
 }
 
 TEST(SimRun, DeepSeekV3Fp8LatentCacheCalibratesOneScale) {
@@ -232,9 +259,11 @@ TEST(SimRun, DeepSeekV3Fp8LatentCacheCalibratesOneScale) {
   EXPECT_EQ(r.kv_cache_storage_dtype, "float8_e4m3fn");
 }
 
-// On the batch-invariant reference, every output row depends only on its token's prefix: two
-// schedules of one workload (batched with prefix hits; one request at a time, no prefix
-// caching) give the same digest.
+// On the batch-invariant reference, every output row of the absorbed formulation depends only on
+// its token's prefix: two schedules of one workload (batched with prefix hits; one request at a
+// time, no prefix caching) give the same digest. The prefill formulation does not: a prompt
+// whose prefix was a cache hit merges a context part and a new-token part, each rounded to
+// bfloat16, where a cold run computes it in one part.
 TEST(SimRun, DeepSeekV3DigestDoesNotDependOnTheSchedule) {
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() / ("pagedattn_sim_mla_" + std::to_string(getpid()));
@@ -244,6 +273,7 @@ TEST(SimRun, DeepSeekV3DigestDoesNotDependOnTheSchedule) {
     o.workload.num_requests = 3;
     o.verify_every = 0;
     o.backend = "ref";
+    o.mla_formulation = MLAFormulation::kAbsorbed;
     if (!batched) {
       o.max_num_seqs = 1;
       o.enable_prefix_caching = false;

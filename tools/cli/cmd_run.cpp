@@ -15,6 +15,7 @@
 #include "pagedattn/device.h"
 #include "pagedattn/dtype.h"
 #include "pagedattn/error.h"
+#include "pagedattn/mla.h"
 #include "sim/presets.h"
 #include "sim/report.h"
 #include "sim/simulation.h"
@@ -28,6 +29,7 @@ struct RunOptions {
   std::string kv_cache_dtype = "auto";
   std::string kv_cache_layout = "NHD";
   std::string kv_cache_memory = "auto";
+  std::string mla_formulation = "split";
   std::string device = "cpu";
   std::string role = "both";
   int64_t max_model_len = 0;
@@ -72,6 +74,7 @@ void run(RunOptions& o) {
   s.device = parse_run_device(o.device);
   s.kv_cache_dtype = parse_kv_cache_dtype(o.kv_cache_dtype);
   s.kv_cache_layout = parse_kv_cache_layout(o.kv_cache_layout);
+  s.mla_formulation = parse_mla_formulation(o.mla_formulation);
   if (o.kv_cache_memory != "auto") {
     s.kv_cache_memory = sim::parse_byte_size(o.kv_cache_memory, "--kv-cache-memory");
   }
@@ -120,6 +123,14 @@ void add_run_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--kv-cache-layout", o->kv_cache_layout, "NHD | HND")->capture_default_str();
   cmd->add_option("--block-size", s.block_size, "tokens per cache block")->capture_default_str();
+  cmd->add_option("--mla-formulation", o->mla_formulation,
+                  "MLA presets: split (vLLM's: decodes absorbed, prefills with K/V expanded per "
+                  "head) | absorbed | prefill (either one for every request)")
+      ->capture_default_str();
+  cmd->add_option("--mla-context-chunk-tokens", s.mla_context_chunk_tokens,
+                  "MLA presets: cached latent entries a prefill expands at once (the workspace "
+                  "cap; longer contexts run in chunks merged by LSE)")
+      ->capture_default_str();
   cmd->add_option("--kv-cache-memory", o->kv_cache_memory,
                   "KV-cache budget, e.g. 512MiB; auto = half of what the workload would pin "
                   "at once (at least one request of max_model_len)")

@@ -69,6 +69,15 @@ std::string format_report(const SimReport& r) {
                       " q heads / " + std::to_string(r.num_kv_heads) + " kv heads, head size " +
                       std::to_string(r.head_size) + ", " + r.dtype);
   }
+  if (r.mla) {
+    line("mla formulation",
+         r.mla_formulation +
+             (r.mla_formulation == "split"
+                  ? " (vLLM's: decodes absorbed, prefills with K/V expanded per head)"
+                  : " for every request") +
+             ", cached context expanded " + std::to_string(r.mla_context_chunk_tokens) +
+             " latent entries at a time");
+  }
   if (r.model_num_layers > 0 || r.model_num_heads > 0) {
     line("scaled down", std::to_string(r.num_layers) + " of the model's " +
                             std::to_string(r.model_num_layers) + " layers, " +
@@ -211,7 +220,9 @@ std::string report_json(const SimReport& r) {
                          {"qk_rope_head_dim", m.qk_rope_head_dim},
                          {"v_head_dim", m.v_head_dim},
                          {"kv_lora_rank", m.kv_lora_rank},
-                         {"q_lora_rank", m.q_lora_rank ? json(*m.q_lora_rank) : json()}};
+                         {"q_lora_rank", m.q_lora_rank ? json(*m.q_lora_rank) : json()},
+                         {"formulation", r.mla_formulation},
+                         {"context_chunk_tokens", r.mla_context_chunk_tokens}};
   }
   if (r.model_num_layers > 0 || r.model_num_heads > 0) {
     j["model"]["scaled_down"] = {{"model_num_layers", r.model_num_layers},

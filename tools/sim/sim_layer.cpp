@@ -196,6 +196,8 @@ std::unique_ptr<SimLayer> make_mla_layer(const ModelPreset& preset, const SimOpt
   if (!o.backend.empty()) a.attn_backend = o.backend;
   a.dtype = o.dtype;
   a.device = o.device;
+  a.formulation = o.mla_formulation;
+  a.context_chunk_tokens = o.mla_context_chunk_tokens;
   // The model's kv_b_proj: random here, fixed per seed and layer, N(0, 1/L) so that the
   // absorbed logits and the up-projected output stay of order one.
   const int64_t cols = int64_t(a.num_heads) * (m.qk_nope_head_dim + m.v_head_dim);
@@ -243,6 +245,12 @@ std::vector<std::unique_ptr<SimLayer>> make_sim_layers(const ModelPreset& preset
             to_string(o.kv_cache_layout), " does not apply to preset ", preset.name,
             ": an MLA latent cache has one layout, [num_blocks, block_size, ", preset.head_size,
             "]");
+  } else {
+    require(o.mla_formulation == MLAFormulation::kSplit &&
+                o.mla_context_chunk_tokens == MLAOptions{}.context_chunk_tokens,
+            "--mla-formulation ", to_string(o.mla_formulation), " / --mla-context-chunk-tokens ",
+            o.mla_context_chunk_tokens, " apply to MLA presets only; preset ", preset.name,
+            " runs Attention layers");
   }
   std::vector<std::unique_ptr<SimLayer>> layers;
   for (int i = 0; i < preset.num_layers; ++i) {

@@ -683,6 +683,10 @@ SimReport run_simulation(const SimOptions& options) {
   report.preset = preset.name;
   report.layer_kind = preset.mla ? "MLAAttention" : "Attention";
   report.mla = preset.mla;
+  if (preset.mla) {
+    report.mla_formulation = std::string(to_string(options.mla_formulation));
+    report.mla_context_chunk_tokens = options.mla_context_chunk_tokens;
+  }
   report.model_num_layers = preset.model_num_layers;
   report.model_num_heads = preset.model_num_heads;
   report.scaled_down_reason = preset.scaled_down_reason;

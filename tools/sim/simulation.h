@@ -19,6 +19,7 @@
 #include "pagedattn/connector.h"
 #include "pagedattn/device.h"
 #include "pagedattn/dtype.h"
+#include "pagedattn/mla.h"
 #include "sim/presets.h"
 #include "sim/workload.h"
 
@@ -50,6 +51,11 @@ struct SimOptions {
   int max_num_batched_tokens = 256;
   int max_num_seqs = 32;
   bool enable_prefix_caching = true;
+  /// MLA presets: the formulation MLAAttention runs each request in (kSplit, vLLM's: decodes
+  /// absorbed, prefills with K/V expanded per head) and the latent entries of cached context it
+  /// expands at once. Other presets refuse a value other than the default.
+  MLAFormulation mla_formulation = MLAFormulation::kSplit;
+  int mla_context_chunk_tokens = MLAOptions{}.context_chunk_tokens;
   /// The request stream; its max_model_len and vocab_size are set from the model.
   WorkloadOptions workload;
   /// Check a step against the float64 reference every this many steps (0 = never). A due
@@ -72,7 +78,9 @@ struct SimOptions {
   KVTransferRole role = KVTransferRole::kBoth;
   /// Writes a digest of every output row that produced a token (positions >= prompt length - 1)
   /// of every layer to this file; empty = none. Runs of one workload on a batch-invariant
-  /// backend (ref) give identical files whatever their schedules, hits and transfers.
+  /// backend (ref) give identical files whatever their schedules, hits and transfers (MLA: in
+  /// the absorbed formulation; the prefill formulation merges partial results rounded to the
+  /// activation dtype, and where a step splits cached context from new tokens moves them).
   std::string digest_file;
   std::function<void(const Progress&)> on_progress;  ///< called after each step
   std::ostream* log = nullptr;  ///< verification failures are described here (if set)
@@ -101,6 +109,8 @@ struct SimReport {
   /// What the backends see: for MLA, num_kv_heads 1 and head_size L + R (the latent entry).
   int num_layers = 0, num_heads = 0, num_kv_heads = 0, head_size = 0;
   std::optional<MLAShape> mla;  ///< MLA presets: the latent sizes
+  std::string mla_formulation;  ///< MLA presets: "split", "absorbed" or "prefill"
+  int mla_context_chunk_tokens = 0;
   /// The real model's layers and heads when the preset runs fewer (0 = the same), and why.
   int model_num_layers = 0, model_num_heads = 0;
   std::string scaled_down_reason;
