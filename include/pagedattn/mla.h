@@ -20,7 +20,8 @@ namespace pagedattn {
 
 namespace detail {
 class MLAPrefill;
-}
+struct MLADeviceWeights;
+}  // namespace detail
 
 /// Which formulation of spec 5.4 MLAAttention runs a request in.
 enum class MLAFormulation {
@@ -67,10 +68,10 @@ struct MLAOptions {
 /// each other in real arithmetic (q_nope . W_UK kv_c = (q_nope W_UK^T) . kv_c,
 /// P (kv_c W_UV) = (P kv_c) W_UV); the prefill one costs fewer FLOPs per prefill token at
 /// DeepSeek's sizes. Requests are classified one by one, so the batch need not be ordered
-/// decodes first. This version computes the projections on the host: CPU tensors only (the CUDA
-/// MLA kernels are issue 7's next part); the attention itself runs on the selected backend
-/// (cpu or ref), every fp8 latent cache included; the prefill formulation needs the backend to
-/// take N heads of P + R with a block size of 1, and its merge_states.
+/// decodes first. Host tensors: the projections on the host, the attention on the selected
+/// backend (cpu or ref), every fp8 latent cache included; the prefill formulation needs the
+/// backend to take N heads of P + R with a block size of 1, and its merge_states. CUDA tensors
+/// (layer and cache on that device): every step on the device, absorbed formulation only.
 class MLAAttention {
  public:
   MLAAttention(ForwardContext& context, const MLAOptions& options,
@@ -112,6 +113,10 @@ class MLAAttention {
   void forward_absorbed(const TensorView& q, const AttentionMetadata& md,
                         const std::vector<int64_t>& rows, const Plan& plan,
                         const TensorView& output);
+  // forward() on device tensors (mla_device.cpp): every step on the device; md == nullptr is a
+  // profiling step.
+  void forward_on_device(const TensorView& q, const TensorView& kv_c_normed, const TensorView& k_pe,
+                         const AttentionMetadata* md, const TensorView& output);
 
   ForwardContext& context_;
   MLAOptions options_;
@@ -124,7 +129,8 @@ class MLAAttention {
   std::vector<float> w_uk_t_;  // [N, P, L]
   std::vector<float> w_uv_;    // [N, L, V]
   std::vector<float> w_uk_;    // [N, L, P]: W_UK_T transposed, the prefill formulation's layout
-  std::unique_ptr<detail::MLAPrefill> prefill_;  // built on the first prefill
+  std::unique_ptr<detail::MLAPrefill> prefill_;               // built on the first prefill
+  std::unique_ptr<detail::MLADeviceWeights> device_weights_;  // on the first device forward
 };
 
 /// One step of an MLAAttention layer as it ran, for check_mla_step. Host tensors and views.

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/mla_device.h"
 #include "core/mla_prefill.h"
 #include "pagedattn/error.h"
 
@@ -97,6 +98,7 @@ void MLAAttention::load_kv_b_proj(const TensorView& w) {
           describe(w));
   require(w.device.is_cpu() && is_floating(w.dtype),
           "kv_b_proj must be a float tensor on the host; got ", describe(w));
+  device_weights_.reset();  // re-uploaded by the next device forward
   w_uk_t_.assign(size_t(n) * p * l, 0.0f);
   w_uk_.assign(size_t(n) * l * p, 0.0f);
   w_uv_.assign(size_t(n) * l * v, 0.0f);
@@ -168,11 +170,13 @@ void MLAAttention::forward(const TensorView& q, const TensorView& kv_c, const Te
           "output must be ", dtype_name(config_.dtype),
           " (or float32 / float64) [num_tokens=", t_in, ", num_heads*v_head_dim=", int64_t(n) * v,
           "]; got ", describe(output));
-  for (const TensorView* t : {&q, &kv_c, static_cast<const TensorView*>(&k_pe), &output}) {
-    require<NotSupported>(t->device.is_cpu(),
-                          "MLAAttention runs on host tensors in this version; got ", describe(*t));
+  const bool on_device = !q.device.is_cpu();  // forward_on_device checks the others' device
+  for (const TensorView* t : {&kv_c, static_cast<const TensorView*>(&k_pe), &output}) {
+    require(on_device || t->device.is_cpu(), "q is on the host, so must the rest be; got ",
+            describe(*t));
   }
   const AttentionMetadata* md = context_.metadata(0);
+  if (md == nullptr && on_device) return forward_on_device(q, kv_c, k_pe, md, output);
   if (md == nullptr) {  // profiling run
     for (int64_t i = 0; i < t_in; ++i) {
       for (int64_t c = 0; c < output.size(1); ++c) {
@@ -196,6 +200,7 @@ void MLAAttention::forward(const TensorView& q, const TensorView& kv_c, const Te
       calibrate_ = false;
     }
   }
+  if (on_device) return forward_on_device(q, kv_c, k_pe, md, output);
   const DType act = config_.dtype;
   // 1. The step's latent entries [kv_c | k_pe] into the cache (one entry as K and V).
   Tensor latent = Tensor::empty({ta, 1, e}, act);
