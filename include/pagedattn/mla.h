@@ -99,6 +99,10 @@ class MLAAttention {
   /// max|kv_c_normed| / 200 (vLLM's calc_kv_scales with k = kv_c_normed, v = k_pe), once.
   bool calculate_kv_scales() const { return calibrate_; }
 
+  /// The CUDA stream that device forwards enqueue on (default: the legacy default stream,
+  /// which a CUDA graph cannot capture). Ignored for host tensors.
+  void set_stream(Stream stream) { stream_ = stream; }
+
   /// q [T, N, P + R] (RoPE applied to the last R), kv_c_normed [T, L], k_pe [T, R] or
   /// [T, 1, R]; output [T, N * V] in the activation dtype (float32 / float64 also accepted, for
   /// checks), rows [0, num_actual_tokens) written. Writes the step's
@@ -125,6 +129,7 @@ class MLAAttention {
   std::unique_ptr<AttentionImpl> impl_;
   KVCacheView cache_;
   float k_scale_ = 1.0f;
+  Stream stream_;
   bool calibrate_ = false;     // a calibration is still owed
   std::vector<float> w_uk_t_;  // [N, P, L]
   std::vector<float> w_uv_;    // [N, L, V]

@@ -11,6 +11,7 @@
 #include "pagedattn/mla.h"
 
 #ifdef PAGEDATTN_WITH_CUDA
+#include "cuda/common/check.h"
 #include "cuda/mla/proj.h"
 #endif
 
@@ -47,7 +48,7 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
                         " need a layer built for that device (MLAOptions::device is ",
                         to_string(options_.device), ")");
   if (md == nullptr) {  // profiling run
-    cuda::mla::zero_rows(output, nullptr);
+    cuda::mla::zero_rows(output, stream_.handle);
     return;
   }
   require(!w_uk_t_.empty(), "load_kv_b_proj() must be called before forward()");
@@ -73,6 +74,9 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
     w->w_uk_t = Tensor::copy_of(uk, q.device);  // float32 [N, P, L]
     w->w_uv = Tensor::copy_of(uv, q.device);    // float32 [N, L, V]
     device_weights_ = std::move(w);
+    // A pageable upload may still be in flight when copy_of returns, and a non-blocking stream
+    // does not wait for the legacy one.
+    PAGEDATTN_CUDA_CHECK(cudaDeviceSynchronize());
   }
   const DType act = config_.dtype;
   const int64_t ta = md->num_actual_tokens;
@@ -91,12 +95,12 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
   const TensorView o_lat = carve(plan_bytes + latent_bytes + heads_bytes, {ta, n, e});  // same
   // 1. The step's latent entries [kv_c | k_pe] (rounded to the activation dtype, as the host
   // path does) into the cache, one entry as K and V.
-  cuda::mla::build_latent(kv_c, k_pe, latent, nullptr);
+  cuda::mla::build_latent(kv_c, k_pe, latent, stream_.handle);
   const KVScales scales{k_scale_, k_scale_};
-  impl_->write_kv({latent, latent, md->slot_mapping, cache_, scales, {}});
+  impl_->write_kv({latent, latent, md->slot_mapping, cache_, scales, stream_});
   // 2. The absorbed query [q_nope W_UK^T | q_pe].
   cuda::mla::absorb_query(q, static_cast<const float*>(device_weights_->w_uk_t.data()), p, q_lat,
-                          nullptr);
+                          stream_.handle);
   // 3. MQA over the latent cache.
   ForwardArgs f;
   f.query = q_lat;
@@ -106,11 +110,12 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
   f.output = o_lat;
   f.plan = &plan;
   f.workspace = Workspace{ws.data, plan.workspace_bytes()};
+  f.stream = stream_;
   check_forward_args(config_, f, /*check_metadata=*/false);
   impl_->forward(f);
   // 4. The up-projection of o_lat's first L columns by W_UV.
   cuda::mla::up_project(o_lat, static_cast<const float*>(device_weights_->w_uv.data()), l, v, ta,
-                        output, nullptr);
+                        output, stream_.handle);
 #endif
 }
 

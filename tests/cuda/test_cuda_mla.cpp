@@ -3,11 +3,13 @@
 // with slot -1 rows), 16 heads, L = 512, R = 64 (the kernel's only shape), bf16 and fp8 e4m3
 // latent caches, block sizes 64 and 16, inputs drawn fresh (the seed is printed). Each step's
 // output must pass check_mla_step (the float64 oracle, accuracy.h's budget) and the device
-// cache must be bit-identical to the host path's. Also: the profiling step, and the refusal of
-// the prefill formulation on the device. Every test skips without a GPU.
+// cache must be bit-identical to the host path's. Also: a decode step captured in a CUDA graph,
+// the profiling step, and the refusal of the prefill formulation on the device. Every test skips
+// without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -181,6 +183,84 @@ TEST(CudaMLAAttention, MatchesTheHostPathOverPrefillAndDecodeSteps) {
         MlaShape{128, 128, KVCacheDType::kFp8E4M3, 64}}) {
     run_scenario(s, seed);
   }
+}
+
+// A decode step captured into a CUDA graph on the layer's stream: the replay must write the same
+// output and cache bytes as the eager forward of the same step from the same cache.
+TEST(CudaMLAAttention, ADecodeStepCapturedInAGraphReplaysTheEagerStep) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Device dev = Device::cuda(0);
+  const int p = 64, v = 64, block = 16;
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  std::mt19937 rng(seed);
+  ForwardContext ctx;
+  MLAAttention layer(ctx, options(p, v, KVCacheDType::kFp8E4M3, block, dev));
+  layer.set_k_scale(0.02f);
+  layer.load_kv_b_proj(random_host({kL, kN * (p + v)}, DType::kF32, rng, 0.05).view());
+  Tensor cache = Tensor::zeros({9, block, kE}, layer.config().cache_dtype(), dev);  // [B, bs, E]
+  layer.bind_kv_cache(cache.view());
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  layer.set_stream({stream});
+  auto inputs = [&](int64_t t) {
+    return std::array<Tensor, 3>{
+        Tensor::copy_of(random_host({t, kN, p + kR}, DType::kBF16, rng).view(), dev),  // q
+        Tensor::copy_of(random_host({t, kL}, DType::kBF16, rng).view(), dev),          // kv_c
+        Tensor::copy_of(random_host({t, kR}, DType::kBF16, rng).view(), dev)};         // k_pe
+  };
+  // Eager prefill: uploads the weights and fills the cache.
+  {
+    StepMetadata md = MetadataBuilder(block).add({0, 40, {1, 2, 3, 4}}).add({0, 9, {5, 6}}).build();
+    const AttentionMetadata dmd = md.to_device(dev);
+    const auto in = inputs(49);
+    Tensor out = poisoned({49, kN * v}, DType::kBF16, dev);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ctx.begin_step({&dmd});
+    layer.forward(in[0].view(), in[1].view(), in[2].view(), out.view());
+    ctx.end_step();
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  }
+  StepMetadata md = MetadataBuilder(block).add({40, 1, {1, 2, 3, 4}}).add({9, 1, {5, 6}}).build();
+  const AttentionMetadata dmd = md.to_device(dev);
+  const auto in = inputs(2);
+  const Tensor cache_before = Tensor::copy_of(cache.view(), Device::cpu());
+  Tensor out = poisoned({2, kN * v}, DType::kBF16, dev);  // [T, N * V]
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ctx.begin_step({&dmd});
+  layer.forward(in[0].view(), in[1].view(), in[2].view(), out.view());  // eager, sizes things
+  ctx.end_step();
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  const Tensor eager_out = Tensor::copy_of(out.view(), Device::cpu());
+  const Tensor eager_cache = Tensor::copy_of(cache.view(), Device::cpu());
+
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  ctx.begin_step({&dmd});
+  layer.forward(in[0].view(), in[1].view(), in[2].view(), out.view());
+  ctx.end_step();
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  // Replay from the cache as it was before the step, into a poisoned output.
+  ASSERT_EQ(cudaMemcpy(cache.data(), cache_before.data(), cache_before.view().nbytes(),
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  const Tensor poison = poisoned({2, kN * v}, DType::kBF16, Device::cpu());
+  ASSERT_EQ(cudaMemcpy(out.data(), poison.data(), poison.view().nbytes(), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  const Tensor replay_out = Tensor::copy_of(out.view(), Device::cpu());
+  const Tensor replay_cache = Tensor::copy_of(cache.view(), Device::cpu());
+  EXPECT_EQ(differing_bytes(replay_out.view(), eager_out.view()), 0)
+      << "replayed vs eager output: " << compare(replay_out.view(), eager_out.view()).to_string();
+  EXPECT_EQ(differing_bytes(replay_cache.view(), eager_cache.view()), 0);
+  EXPECT_GT(differing_bytes(eager_cache.view(), cache_before.view()), 0)
+      << "the decode step wrote nothing";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 TEST(CudaMLAAttention, AProfilingStepZeroesTheOutput) {
