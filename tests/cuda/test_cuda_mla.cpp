@@ -171,6 +171,10 @@ void run_scenario(const MlaShape& s, uint32_t seed) {
                               << "\ndevice vs host path (ref backend): " << vs_host.to_string();
     EXPECT_EQ(differing_bytes(cache_after.view(), host_cache.view()), 0)
         << "latent cache bytes differ from the host path's";
+    int64_t padded_written = 0;  // rows past num_actual_tokens stay poisoned
+    for (int64_t i = ta * kN * s.v; i < got.view().numel(); ++i)
+      padded_written += !std::isnan(load_element(got.data(), act, i));
+    EXPECT_EQ(padded_written, 0);
   }
 }
 
