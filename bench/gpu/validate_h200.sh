@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Correctness on the H200, from binaries built here and carried in build/carry/h200-bins.tar.gz:
+# the CUDA unit tests, backend_ops with every prefill kernel forced and with auto selection, the
+# MLA kernel variants, and compute-sanitizer memcheck. Logs under $OUT.
+set -u
+tar xzf build/carry/h200-bins.tar.gz
+B=build/cuda-h200; O=$OUT; S=$(date +%s)
+t(){ echo "[$(( $(date +%s)-S ))s] $*"; }
+left(){ [ $(( $(date +%s)-S )) -lt "$1" ]; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+BO="$B/tests/backend_ops test --device cuda --backend cuda"
+timeout 150 $B/tests/pagedattn_cuda_tests > $O/cuda_tests.log 2>&1; t "cuda_tests rc=$?"
+grep -E "^\[  (PASSED|FAILED)|^\[  FAILED|tests ran" $O/cuda_tests.log | head -20
+PAGEDATTN_CUDA_PREFILL=all timeout 150 $BO > $O/bo_all.log 2>&1; t "bo prefill=all rc=$?"; grep -E "^backend|FAIL" $O/bo_all.log | head -12
+timeout 60 $BO --filter mla > $O/bo_mla.log 2>&1; t "bo mla rc=$?"; grep -E "^backend|FAIL" $O/bo_mla.log | head -6
+PAGEDATTN_CUDA_SPLITS=5 timeout 60 $BO --filter mla > $O/bo_mla5.log 2>&1; t "bo mla splits5 rc=$?"; grep -E "^backend|FAIL" $O/bo_mla5.log | head -6
+PAGEDATTN_CUDA_MLA=split-s timeout 60 $BO --filter mla > $O/bo_mlass.log 2>&1; t "bo mla split-s rc=$?"; grep -E "^backend|FAIL" $O/bo_mlass.log | head -6
+left 420 && { timeout 60 $BO > $O/bo_auto.log 2>&1; t "bo auto rc=$?"; grep -E "^backend|FAIL" $O/bo_auto.log | head -8; }
+left 480 && { PAGEDATTN_CUDA_PREFILL=all timeout 60 compute-sanitizer --tool memcheck --error-exitcode 99 $BO --filter dtypes > $O/san.log 2>&1; t "san rc=$?"; tail -2 $O/san.log; }
+left 530 && { timeout 50 compute-sanitizer --tool memcheck --error-exitcode 99 $BO --filter mla > $O/san_mla.log 2>&1; t "san mla rc=$?"; tail -2 $O/san_mla.log; }
