@@ -161,13 +161,13 @@ __device__ __forceinline__ void softmax_tile(const DecodeParams& p, float (&s)[2
   for (int h = 0; h < 2; ++h) {
     const float m_new = fmaxf(m[h], mx[h]);
     base[h] = m_new == -INFINITY ? 0.0f : m_new;  // a row with no visible key yet: no NaN
-    corr[h] = exp2f(m[h] - base[h]);
+    corr[h] = sm80::exp2_approx(m[h] - base[h]);
     m[h] = m_new;
   }
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) s[nt][c] = exp2f(s[nt][c] - base[c >> 1]);
+    for (int c = 0; c < 4; ++c) s[nt][c] = sm80::exp2_approx(s[nt][c] - base[c >> 1]);
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

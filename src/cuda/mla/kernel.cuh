@@ -188,38 +188,53 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
   const int32_t* const bt_row = p.block_table + int64_t(w.r) * p.block_table_stride_seq;
   int64_t* const tables = reinterpret_cast<int64_t*>(smem + lay.table_offset);
 
-  // Row byte offsets of tile j into table slot j % 2 (-1: past the split, zero-filled and
-  // masked), then a producer barrier: every thread copies rows other threads looked up.
-  auto fill_table = [&](int j) {
-    int64_t* const table = tables + (j & 1) * kBlockN;
-    if (ct < kBlockN) {
-      const int pos = w.kv_begin + j * kBlockN + ct;
-      int64_t off = -1;
-      if (pos < w.kv_end) {
-        const int lb = bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size;
-        const int in_block = pos - lb * p.block_size;
-        off = int64_t(bt_row[int64_t(lb) * p.block_table_stride_block]) * sb + in_block * sp;
-      }
-      table[ct] = off;
-    }
-    sm90::named_barrier_sync(1, 128);
-    return table;
+  // Row byte offsets of a tile, in two steps so that the block-table read of tile j + 1 is in
+  // flight while tile j's copies are issued (ncu: the producer, not the consumers, set the
+  // pace, with that dependent global load on its path every tile). Rows past the split read
+  // the split's last key (finite bytes whose scores are masked and whose P is 0), so the
+  // copies need no zero-fill predicate.
+  auto lookup = [&](int j) -> int64_t {
+    if (ct >= kBlockN || j >= n_tiles) return 0;
+    const int pos = min(w.kv_begin + j * kBlockN + ct, w.kv_end - 1);
+    const int lb = bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size;
+    const int in_block = pos - lb * p.block_size;
+    return int64_t(bt_row[int64_t(lb) * p.block_table_stride_block]) * sb + in_block * sp;
   };
+  // Slot j % 2; the barrier also tells every thread that tile j - 1's copies, which read the
+  // other slot, are issued before that slot is rewritten.
+  auto publish = [&](int j, int64_t off) {
+    int64_t* const table = tables + (j & 1) * kBlockN;
+    if (ct < kBlockN) table[ct] = off;
+    sm90::named_barrier_sync(1, 128);
+    return static_cast<const int64_t*>(table);
+  };
+  // Thread ct copies chunks l + kLanes k (k < kPer) of rows ct / kLanes + kRowsPerPass i: its
+  // column pattern and swizzle stay fixed, so a chunk is one copy with immediate offsets (the
+  // per-chunk division and table read were most of the producer's instructions).
+  constexpr int kLanes = kFp8 ? 4 : 8;  // 16-bit: chunk l + 8 k is panel k, column chunk l
+  constexpr int kPer = kRowChunks / kLanes;
+  constexpr int kRowsPerPass = 128 / kLanes;
+  static_assert(kPer * kLanes == kRowChunks && kBlockN % kRowsPerPass == 0);
+  const int lane_col = ct % kLanes, lane_row = ct / kLanes;
 
+  int64_t next_off = lookup(0);
   if constexpr (!kFp8) {
-    // Chunk c = ct + 128 i of the tile (row-major): neighbouring threads copy neighbouring
-    // 16-byte pieces of one 1152-byte row.
+    const uint32_t chunk_at = uint32_t(((lane_col ^ (lane_row & 7)) << 4) + lane_row * 128);
     for (int j = 0; j < n_tiles; ++j) {
       const int s = j % kStages;
-      const int64_t* table = fill_table(j);
+      const int64_t* table = publish(j, next_off);
+      next_off = lookup(j + 1);
       mbar_wait(bars.empty(s), ((j / kStages) & 1) ^ 1);  // tile j - kStages released
-      const uint32_t dst0 = sm80::smem_addr(smem + lay.stage_offset + s * lay.stage_bytes);
-#pragma unroll 4
-      for (int c = ct; c < kBlockN * kRowChunks; c += 128) {
-        const int row = c / kRowChunks, col = c - row * kRowChunks;
-        const int64_t off = table[row];
-        sm80::cp_async_16(dst0 + (col >> 3) * lay.kv_panel + sm90::sw128_offset(row, col & 7),
-                          cache + (off >= 0 ? off : 0) + col * 16, off >= 0 ? 16 : 0, 0);
+      const uint32_t dst0 =
+          sm80::smem_addr(smem + lay.stage_offset + s * lay.stage_bytes) + chunk_at;
+#pragma unroll
+      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+        const char* const src = cache + table[lane_row + kRowsPerPass * i] + lane_col * 16;
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) {
+          sm80::cp_async_16(dst0 + k * lay.kv_panel + i * kRowsPerPass * 128, src + k * kLanes * 16,
+                            16, 0);
+        }
       }
       ptx::cp_async_mbarrier_arrive_noinc(bars.full(s));
     }
@@ -228,14 +243,18 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
     // Raw fp8 rows (576 bytes, 36 chunks) into raw buffer j % 2 in natural order; the thread
     // that copied a chunk widens it, so its own cp.async.wait_group is all the ordering needed.
     auto issue = [&](int j) {
-      const int64_t* table = fill_table(j);
-      const uint32_t raw = sm80::smem_addr(smem + lay.raw_offset + (j & 1) * lay.raw_bytes);
-#pragma unroll 2
-      for (int c = ct; c < kBlockN * kRowChunks; c += 128) {
-        const int row = c / kRowChunks, col = c - row * kRowChunks;
-        const int64_t off = table[row];
-        sm80::cp_async_16(raw + c * 16, cache + (off >= 0 ? off : 0) + col * 16, off >= 0 ? 16 : 0,
-                          0);
+      const int64_t* table = publish(j, next_off);
+      next_off = lookup(j + 1);
+      const uint32_t raw = sm80::smem_addr(smem + lay.raw_offset + (j & 1) * lay.raw_bytes) +
+                           lane_row * kEntry + lane_col * 16;
+#pragma unroll
+      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+        const char* const src = cache + table[lane_row + kRowsPerPass * i] + lane_col * 16;
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) {
+          sm80::cp_async_16(raw + i * kRowsPerPass * kEntry + k * kLanes * 16,
+                            src + k * kLanes * 16, 16, 0);
+        }
       }
       sm80::cp_async_commit();
     };
@@ -248,26 +267,31 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
         sm80::cp_async_wait<0>();
       }
       mbar_wait(bars.empty(0), (j & 1) ^ 1);  // the consumers are done with tile j - 1
-      const unsigned char* raw = smem + lay.raw_offset + (j & 1) * lay.raw_bytes;
+      const unsigned char* raw =
+          smem + lay.raw_offset + (j & 1) * lay.raw_bytes + lane_row * kEntry + lane_col * 16;
       unsigned char* const stage = smem + lay.stage_offset;
-#pragma unroll 2
-      for (int c = ct; c < kBlockN * kRowChunks; c += 128) {
-        const int row = c / kRowChunks, col = c - row * kRowChunks;
-        const uint4 v = *reinterpret_cast<const uint4*>(raw + c * 16);
-        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-        uint32_t wide[8];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          wide[2 * k] = fp8x2_to_16bit<T::act>(uint16_t(words[k] & 0xffffu), false);
-          wide[2 * k + 1] = fp8x2_to_16bit<T::act>(uint16_t(words[k] >> 16), false);
+      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+        const int row = lane_row + kRowsPerPass * i;
+#pragma unroll 3
+        for (int k = 0; k < kPer; ++k) {
+          const uint4 v =
+              *reinterpret_cast<const uint4*>(raw + i * kRowsPerPass * kEntry + k * kLanes * 16);
+          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+          uint32_t wide[8];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            wide[2 * q] = fp8x2_to_16bit<T::act>(uint16_t(words[q] & 0xffffu), false);
+            wide[2 * q + 1] = fp8x2_to_16bit<T::act>(uint16_t(words[q] >> 16), false);
+          }
+          // 16 fp8 values of chunk col = lane_col + 4 k are 16-bit chunks 2 col and 2 col + 1
+          // of the row: panel k, chunks 2 lane_col and 2 lane_col + 1 within it.
+          unsigned char* const panel = stage + k * lay.kv_panel;
+          *reinterpret_cast<uint4*>(panel + sm90::sw128_offset(row, 2 * lane_col)) =
+              make_uint4(wide[0], wide[1], wide[2], wide[3]);
+          *reinterpret_cast<uint4*>(panel + sm90::sw128_offset(row, 2 * lane_col + 1)) =
+              make_uint4(wide[4], wide[5], wide[6], wide[7]);
         }
-        // 16 fp8 values = 16-bit chunks 2 col and 2 col + 1 of the row (one panel per 4 cols).
-        unsigned char* const panel = stage + (col >> 2) * lay.kv_panel;
-        const int c16 = (2 * col) & 7;
-        *reinterpret_cast<uint4*>(panel + sm90::sw128_offset(row, c16)) =
-            make_uint4(wide[0], wide[1], wide[2], wide[3]);
-        *reinterpret_cast<uint4*>(panel + sm90::sw128_offset(row, c16 + 1)) =
-            make_uint4(wide[4], wide[5], wide[6], wide[7]);
       }
       // Generic-proxy stores, read next by wgmma (async proxy).
       ptx::fence_proxy_async(ptx::space_shared);
@@ -447,14 +471,14 @@ __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsig
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(m[h], mx * f);
       base[h] = m_new == -INFINITY ? 0.0f : m_new;  // no visible key yet: no NaN
-      corr[h] = exp2f(m[h] - base[h]);
+      corr[h] = sm80::exp2_approx(m[h] - base[h]);
       m[h] = m_new;
     }
 #pragma unroll
     for (int nt = 0; nt < kSn; ++nt) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        sacc[nt][c] = exp2f(fmaf(sacc[nt][c], f, -base[c >> 1]));
+        sacc[nt][c] = sm80::exp2_approx(fmaf(sacc[nt][c], f, -base[c >> 1]));
         sum[c >> 1] += sacc[nt][c];
       }
     }
@@ -640,14 +664,14 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
       const float other = xchg[(1 - cw) * kBlockM + row_a + 8 * h];
       const float m_new = fmaxf(m[h], fmaxf(mx[h], other) * f);
       base[h] = m_new == -INFINITY ? 0.0f : m_new;
-      corr[h] = exp2f(m[h] - base[h]);
+      corr[h] = sm80::exp2_approx(m[h] - base[h]);
       m[h] = m_new;
     }
 #pragma unroll
     for (int nt = 0; nt < kSn; ++nt) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        sacc[nt][c] = exp2f(fmaf(sacc[nt][c], f, -base[c >> 1]));
+        sacc[nt][c] = sm80::exp2_approx(fmaf(sacc[nt][c], f, -base[c >> 1]));
         sum[c >> 1] += sacc[nt][c];
       }
     }

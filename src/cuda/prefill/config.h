@@ -100,7 +100,7 @@ struct Sm90Layout {
   int stage_offset = 0;  ///< [kStages] { K [panels][kBlockN][64], V the same }
   int stage_bytes = 0;
   int raw_offset = 0;    ///< fp8 caches: [K, V][kBlockN][head_size] raw codes of the next tile
-  int table_offset = 0;  ///< [kStages][kBlockN] {K, V} int64 row byte offsets (producer)
+  int table_offset = 0;  ///< [kStages + 1][kBlockN] {K, V} int64 row byte offsets (producer)
   int bar_offset = 0;    ///< mbarriers: q_full, K full / V full / K empty / V empty [kStages]
   int total = 0;         ///< including 1024 bytes to align the dynamic base
 };
@@ -116,7 +116,7 @@ constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int st
   s.stage_bytes = 2 * panels * s.kv_panel;
   s.raw_offset = s.stage_offset + stages * s.stage_bytes;
   s.table_offset = s.raw_offset + (kv_elem_bytes == 1 ? 2 * block_n * head_size : 0);
-  s.bar_offset = s.table_offset + stages * block_n * 16;
+  s.bar_offset = s.table_offset + (stages + 1) * block_n * 16;  // kTableSlots
   s.total = s.bar_offset + (1 + 4 * stages) * 8 + 1024;
   return s;
 }
@@ -152,6 +152,7 @@ struct Sm90Traits {
   static constexpr int kStages = 2;
 #endif
   static constexpr int kSplitAlign = kBlockN;
+  static constexpr int kTableSlots = kStages + 1;  ///< the producer's row tables (sm90_kernel)
   /// setmaxnreg budgets: 128 x 40 + 256 x 232 = 64512 <= 65536 registers.
 #ifdef PAGEDATTN_SM90_CONSUMER_REGS  // experiments: 240 with 24 for the producer
   static constexpr int kConsumerRegs = PAGEDATTN_SM90_CONSUMER_REGS;

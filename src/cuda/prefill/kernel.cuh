@@ -113,7 +113,7 @@ __device__ __forceinline__ void softmax_scores(const DecodeParams& p, const deco
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m[h], mx * f);
     base[h] = m_new == -INFINITY ? 0.0f : m_new;  // no visible key yet: no NaN
-    corr[h] = exp2f(m[h] - base[h]);
+    corr[h] = sm80::exp2_approx(m[h] - base[h]);
     m[h] = m_new;
   }
   float sum[2] = {0.0f, 0.0f};
@@ -121,7 +121,7 @@ __device__ __forceinline__ void softmax_scores(const DecodeParams& p, const deco
   for (int nt = 0; nt < kSn; ++nt) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      s[nt][c] = exp2f(fmaf(s[nt][c], f, -base[c >> 1]));
+      s[nt][c] = sm80::exp2_approx(fmaf(s[nt][c], f, -base[c >> 1]));
       sum[c >> 1] += s[nt][c];
     }
   }

@@ -129,9 +129,7 @@ __device__ __forceinline__ void produce_fp8(const DecodeParams& p, unsigned char
 #pragma unroll 4
     for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
       const int row = r0 + i * kRowsPerPass;
-      const int64_t off = table[2 * row + which];
-      sm80::cp_async_16(dst0 + row * D, head + (off >= 0 ? off : 0) + col * 16, off >= 0 ? 16 : 0,
-                        0);
+      sm80::cp_async_16(dst0 + row * D, head + table[2 * row + which] + col * 16, 16, 0);
     }
   };
   auto widen_codes = [&](int which, unsigned char* panels) {
@@ -212,30 +210,31 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
       static_cast<const char*>(p.v) + int64_t(w.kv_head) * p.v_stride_head * kEb;
   const int bs_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
   const int32_t* const bt_row = p.block_table + int64_t(w.r) * p.block_table_stride_seq;
-  // Tile j's rows' byte offsets {K, V} into table slot j % kStages (-1: past the split, so
-  // zero-filled and masked), then a barrier of the producer warpgroup.
+  // Tile j's rows' byte offsets {K, V} into table slot j % kTableSlots, then a barrier of the
+  // producer warpgroup. Rows past the split read the split's last key instead (its bytes are
+  // finite: its scores are masked and its P is 0), so the copies need no zero-fill predicate.
+  // kStages + 1 slots: the V copies of tile j read slot j while tile j + 1's K is already
+  // issued, and only the barrier of tile j + 2's fill stands between them and slot j's reuse.
   auto fill_table = [&](int j) {
     int64_t* const table =
-        reinterpret_cast<int64_t*>(smem + lay.table_offset) + (j % kStages) * 2 * kBlockN;
+        reinterpret_cast<int64_t*>(smem + lay.table_offset) + (j % T::kTableSlots) * 2 * kBlockN;
     if (ct < kBlockN) {
-      const int pos = w.kv_begin + j * kBlockN + ct;
-      int64_t k_off = -1, v_off = -1;
-      if (pos < w.kv_end) {
-        if (p.kv_direct) {
-          k_off = (int64_t(w.q_begin) + pos) * k_sb;
-          v_off = (int64_t(w.q_begin) + pos) * v_sb;
-        } else {
-          const int lb = bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size;
-          const int off = pos - lb * p.block_size;
-          const int64_t block = bt_row[int64_t(lb) * p.block_table_stride_block];
-          k_off = block * k_sb + off * k_sp;
-          v_off = block * v_sb + off * v_sp;
-        }
+      const int pos = min(w.kv_begin + j * kBlockN + ct, w.kv_end - 1);
+      int64_t k_off, v_off;
+      if (p.kv_direct) {
+        k_off = (int64_t(w.q_begin) + pos) * k_sb;
+        v_off = (int64_t(w.q_begin) + pos) * v_sb;
+      } else {
+        const int lb = bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size;
+        const int off = pos - lb * p.block_size;
+        const int64_t block = bt_row[int64_t(lb) * p.block_table_stride_block];
+        k_off = block * k_sb + off * k_sp;
+        v_off = block * v_sb + off * v_sp;
       }
       table[2 * ct] = k_off;
       table[2 * ct + 1] = v_off;
     }
-    sm90::named_barrier_sync(1, 128);  // complete (and slot j % 2, of tile j - 2, unread)
+    sm90::named_barrier_sync(1, 128);
     return table;
   };
   if constexpr (T::kv == KVKind::kFp8) {
@@ -264,21 +263,29 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
 #pragma unroll 4
     for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
       const int row = r0 + i * kRowsPerPass;
-      const int64_t off = table[2 * row + pick];
       sm80::cp_async_16(dst0 + sm90::sw128_offset(row, col & 7),
-                        head + (off >= 0 ? off : 0) + col_bytes, off >= 0 ? 16 : 0, 0);
+                        head + table[2 * row + pick] + col_bytes, 16, 0);
     }
   };
-  for (int j = 0; j < n_tiles; ++j) {
+  // K runs one tile ahead of V, as the consumers read them: iteration j computes S_j and
+  // P_{j-1} V_{j-1}. K_{j+1} needs only S_{j-1} done; waiting first for V_j's slot (P V_{j-2}
+  // done) held it back a whole iteration, and ncu showed the consumers spinning on K's `full`.
+  auto copy_k = [&](int j) {
     const int s = j % kStages;
-    const uint32_t free_parity = ((j / kStages) & 1) ^ 1;  // tile j - kStages released
     const int64_t* const table = fill_table(j);
-    unsigned char* const sk = smem + lay.stage_offset + s * lay.stage_bytes;
-    mbar_wait(bars.k_empty(s), free_parity);
-    copy_tile(sk, k_head, table, 0);
+    mbar_wait(bars.k_empty(s), ((j / kStages) & 1) ^ 1);  // tile j - kStages released
+    copy_tile(smem + lay.stage_offset + s * lay.stage_bytes, k_head, table, 0);
     ptx::cp_async_mbarrier_arrive_noinc(bars.k_full(s));
-    mbar_wait(bars.v_empty(s), free_parity);
-    copy_tile(sk + T::kPanels * lay.kv_panel, v_head, table, 1);
+  };
+  if (n_tiles > 0) copy_k(0);
+  for (int j = 0; j < n_tiles; ++j) {
+    if (j + 1 < n_tiles) copy_k(j + 1);
+    const int s = j % kStages;
+    const int64_t* const table =
+        reinterpret_cast<int64_t*>(smem + lay.table_offset) + (j % T::kTableSlots) * 2 * kBlockN;
+    mbar_wait(bars.v_empty(s), ((j / kStages) & 1) ^ 1);
+    copy_tile(smem + lay.stage_offset + s * lay.stage_bytes + T::kPanels * lay.kv_panel, v_head,
+              table, 1);
     ptx::cp_async_mbarrier_arrive_noinc(bars.v_full(s));
   }
   sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
