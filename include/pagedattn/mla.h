@@ -121,6 +121,12 @@ class MLAAttention {
   // profiling step.
   void forward_on_device(const TensorView& q, const TensorView& kv_c_normed, const TensorView& k_pe,
                          const AttentionMetadata* md, const TensorView& output);
+  // A device step with requests for the prefill formulation (mla_device.cpp): decodes absorbed
+  // over metadata of their own, prefills expanded; eager (allocates and synchronises).
+  void forward_split_on_device(const TensorView& q, const TensorView& kv_c_normed,
+                               const TensorView& k_pe, const AttentionMetadata& md,
+                               const std::vector<int>& decodes, const std::vector<int>& prefills,
+                               const TensorView& output);
 
   ForwardContext& context_;
   MLAOptions options_;

@@ -55,24 +55,19 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
   require(cache_.key.defined(), "bind_kv_cache() must be called before forward()");
   require(cache_.key.device == q.device, "the latent cache is on ", to_string(cache_.key.device),
           "; the step's tensors on ", to_string(q.device));
-  // The device path runs every request absorbed: the prefill formulation's gathers and merges
-  // are host code in this version.
   const detail::MLARequestSplit split =
       detail::split_mla_requests(*md, options_.formulation, options_.decode_threshold);
-  require<NotSupported>(split.prefills.empty(), "MLAAttention on ", to_string(q.device),
-                        " runs the absorbed formulation only; this step has ",
-                        split.prefills.size(), " request(s) for the prefill formulation (use ",
-                        "MLAFormulation::kAbsorbed, or a decode_threshold of at least the ",
-                        "longest query)");
   const int n = options_.num_heads, p = options_.qk_nope_head_dim;
   const int v = options_.v_head_dim, l = options_.kv_lora_rank, e = config_.head_size;
   if (!device_weights_) {
     // One upload, synchronous (outside any capture: the first forward must run eagerly).
     auto w = std::make_unique<detail::MLADeviceWeights>();
-    const TensorView uk = TensorView::contiguous(w_uk_t_.data(), DType::kF32, {n, p, l});
+    const TensorView uk_t = TensorView::contiguous(w_uk_t_.data(), DType::kF32, {n, p, l});
+    const TensorView uk = TensorView::contiguous(w_uk_.data(), DType::kF32, {n, l, p});
     const TensorView uv = TensorView::contiguous(w_uv_.data(), DType::kF32, {n, l, v});
-    w->w_uk_t = Tensor::copy_of(uk, q.device);  // float32 [N, P, L]
-    w->w_uv = Tensor::copy_of(uv, q.device);    // float32 [N, L, V]
+    w->w_uk_t = Tensor::copy_of(uk_t, q.device);  // float32 [N, P, L]
+    w->w_uk = Tensor::copy_of(uk, q.device);      // float32 [N, L, P]
+    w->w_uv = Tensor::copy_of(uv, q.device);      // float32 [N, L, V]
     device_weights_ = std::move(w);
     // A pageable upload may still be in flight when copy_of returns, and a non-blocking stream
     // does not wait for the legacy one.
@@ -80,6 +75,10 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
   }
   const DType act = config_.dtype;
   const int64_t ta = md->num_actual_tokens;
+  if (!split.prefills.empty()) {
+    forward_split_on_device(q, kv_c, k_pe, *md, split.decodes, split.prefills, output);
+    return;
+  }
   const Plan& plan = context_.plan(0, *backend_, config_);
   // One workspace: the attention's scratch, then latent [Ta, 1, E], q_lat and o_lat [Ta, N, E].
   const size_t plan_bytes = aligned_up(plan.workspace_bytes());
@@ -116,6 +115,100 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
   // 4. The up-projection of o_lat's first L columns by W_UV.
   cuda::mla::up_project(o_lat, static_cast<const float*>(device_weights_->w_uv.data()), l, v, ta,
                         output, stream_.handle);
+#endif
+}
+
+void MLAAttention::forward_split_on_device(const TensorView& q, const TensorView& kv_c,
+                                           const TensorView& k_pe, const AttentionMetadata& md,
+                                           const std::vector<int>& decodes,
+                                           const std::vector<int>& prefills,
+                                           const TensorView& output) {
+#ifndef PAGEDATTN_WITH_CUDA
+  (void)kv_c, (void)k_pe, (void)md, (void)decodes, (void)prefills, (void)output;
+  detail::fail<NotSupported>("MLAAttention: ", describe(q), " is on a device, and this build ",
+                             "has no CUDA");
+#else
+  const int n = options_.num_heads, p = options_.qk_nope_head_dim;
+  const int v = options_.v_head_dim, l = options_.kv_lora_rank, e = config_.head_size;
+  const DType act = config_.dtype;
+  const Device dev = q.device;
+  auto* const st = static_cast<cudaStream_t>(stream_.handle);
+  // 1. The step's latent entries into the cache, as the absorbed-only path does.
+  const int64_t ta = md.num_actual_tokens;
+  {
+    Tensor latent = Tensor::empty({ta, 1, e}, act, dev);  // [Ta, 1, E]
+    cuda::mla::build_latent(kv_c, k_pe, latent.view(), st);
+    const KVScales scales{k_scale_, k_scale_};
+    impl_->write_kv({latent.view(), latent.view(), md.slot_mapping, cache_, scales, stream_});
+    PAGEDATTN_CUDA_CHECK(cudaStreamSynchronize(st));  // before `latent` is freed
+  }
+  // 2. The decode requests absorbed, over metadata of their own: the host mirrors give the
+  // rows and lengths, the block-table rows are copied on the device.
+  if (!decodes.empty()) {
+    const TensorView& bt = md.block_table;
+    require<NotSupported>(bt.stride(1) == 1, "MLAAttention on ", to_string(dev),
+                          ": a step mixing formulations needs block_table rows contiguous; got ",
+                          describe(bt));
+    const int m = int(bt.size(1));
+    StepMetadata sub;
+    sub.causal = md.causal;
+    sub.max_blocks_per_seq = m;
+    sub.query_start_loc.push_back(0);
+    std::vector<int64_t> rows;
+    auto i32 = [](const TensorView& t, int64_t i) {
+      return static_cast<const int32_t*>(t.data)[i * t.stride(0)];
+    };
+    for (int r : decodes) {
+      const int32_t begin = i32(md.query_start_loc_cpu, r);
+      const int32_t q_len = i32(md.query_start_loc_cpu, r + 1) - begin;
+      for (int32_t i = 0; i < q_len; ++i) rows.push_back(begin + i);
+      sub.query_start_loc.push_back(sub.query_start_loc.back() + q_len);
+      sub.seq_lens.push_back(i32(md.seq_lens_cpu, r));
+      sub.max_query_len = std::max(sub.max_query_len, int(q_len));
+      sub.max_seq_len = std::max(sub.max_seq_len, int(sub.seq_lens.back()));
+    }
+    sub.block_table.assign(decodes.size() * size_t(m), 0);
+    sub.slot_mapping.assign(rows.size(), -1);  // written in step 1
+    const AttentionMetadata dsub = sub.to_device(dev);
+    for (size_t i = 0; i < decodes.size(); ++i) {
+      PAGEDATTN_CUDA_CHECK(
+          cudaMemcpyAsync(static_cast<int32_t*>(dsub.block_table.data) + i * size_t(m),
+                          static_cast<const int32_t*>(bt.data) + int64_t(decodes[i]) * bt.stride(0),
+                          size_t(m) * sizeof(int32_t), cudaMemcpyDeviceToDevice, st));
+    }
+    const int64_t nr = int64_t(rows.size());
+    const Tensor rows_dev =
+        Tensor::copy_of(TensorView::contiguous(rows.data(), DType::kI64, {nr}), dev);  // [nr]
+    const auto* row_ids = static_cast<const int64_t*>(rows_dev.data());
+    Tensor q_lat = Tensor::empty({nr, n, e}, act, dev);  // [nr, N, E]
+    Tensor o_lat = Tensor::empty({nr, n, e}, act, dev);  // [nr, N, E]
+    cuda::mla::absorb_query(q, static_cast<const float*>(device_weights_->w_uk_t.data()), p,
+                            q_lat.view(), st, row_ids);
+    const auto plan = backend_->plan(dsub, config_);
+    const Workspace ws = context_.workspace(dev, plan->workspace_bytes());
+    ForwardArgs f;
+    f.query = q_lat.view();
+    f.kv_cache = cache_;
+    f.scales = KVScales{k_scale_, k_scale_};
+    f.metadata = &dsub;
+    f.output = o_lat.view();
+    f.plan = plan.get();
+    f.workspace = Workspace{ws.data, plan->workspace_bytes()};
+    f.stream = stream_;
+    check_forward_args(config_, f, /*check_metadata=*/false);
+    impl_->forward(f);
+    cuda::mla::up_project(o_lat.view(), static_cast<const float*>(device_weights_->w_uv.data()), l,
+                          v, nr, output, st, row_ids);
+    PAGEDATTN_CUDA_CHECK(cudaStreamSynchronize(st));  // before the buffers above are freed
+  }
+  // 3. The prefill requests expanded (spec 5.4).
+  if (!prefill_) prefill_ = std::make_unique<detail::MLAPrefill>(options_, *backend_);
+  prefill_->forward_device(
+      q, kv_c, k_pe, md, prefills, cache_, k_scale_,
+      detail::MLADeviceWeightsView{static_cast<const float*>(device_weights_->w_uk.data()),
+                                   static_cast<const float*>(device_weights_->w_uv.data())},
+      context_, output, stream_);
+  PAGEDATTN_CUDA_CHECK(cudaStreamSynchronize(st));  // the prefill's buffers are freed on return
 #endif
 }
 

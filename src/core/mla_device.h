@@ -7,7 +7,8 @@
 namespace pagedattn::detail {
 
 struct MLADeviceWeights {
-  Tensor w_uk_t;  // float32 [N, P, L]
+  Tensor w_uk_t;  // float32 [N, P, L] (the absorbed query's layout)
+  Tensor w_uk;    // float32 [N, L, P] (the prefill formulation's K expansion)
   Tensor w_uv;    // float32 [N, L, V]
 };
 

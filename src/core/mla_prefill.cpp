@@ -88,40 +88,6 @@ void expand(const std::vector<float>& latent, int64_t num_tokens, const MLAOptio
   }
 }
 
-// One prefill request of the step.
-struct PrefillRequest {
-  int index;          // in the step's metadata
-  int64_t q_begin;    // the step's first row of it
-  int64_t q_len;      // new tokens
-  int64_t context;    // cached tokens before the step
-  int64_t row_begin;  // its first row among the prefill rows
-};
-
-// One pass's metadata over expanded rows seen as one-token blocks: request i's queries are its
-// prefill rows, its keys the key_len[i] rows from key_begin[i] (block b = expanded row b).
-// Causal, a request's keys are its own new tokens (context 0 as the pass sees it).
-StepMetadata one_token_block_step(const std::vector<PrefillRequest>& reqs,
-                                  const std::vector<int64_t>& key_begin,
-                                  const std::vector<int64_t>& key_len, bool causal) {
-  StepMetadata s;
-  s.causal = causal;
-  s.query_start_loc.push_back(0);
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    s.max_query_len = std::max(s.max_query_len, int(reqs[i].q_len));
-    s.max_seq_len = std::max(s.max_seq_len, int(key_len[i]));
-  }
-  s.max_blocks_per_seq = std::max(1, s.max_seq_len);
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    s.query_start_loc.push_back(int32_t(reqs[i].row_begin + reqs[i].q_len));
-    s.seq_lens.push_back(int32_t(key_len[i]));
-    for (int j = 0; j < s.max_blocks_per_seq; ++j) {
-      s.block_table.push_back(j < key_len[i] ? int32_t(key_begin[i] + j) : 0);
-    }
-  }
-  s.slot_mapping.assign(size_t(s.query_start_loc.back()), -1);  // nothing is written
-  return s;
-}
-
 // Latent entries of context positions [begin[i], begin[i] + len[i]) of each request, in that
 // order, from the paged cache ([num_blocks, block_size, 1, L + R]) into `latent` [keys, L + R]:
 // in the activation dtype, as vLLM gathers them into its workspace, fp8 read as
@@ -186,6 +152,63 @@ StepMetadata subset_metadata(const AttentionMetadata& md, const std::vector<int>
   return s;
 }
 
+StepMetadata one_token_block_step(const std::vector<PrefillRequest>& reqs,
+                                  const std::vector<int64_t>& key_begin,
+                                  const std::vector<int64_t>& key_len, bool causal) {
+  StepMetadata s;
+  s.causal = causal;
+  s.query_start_loc.push_back(0);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    s.max_query_len = std::max(s.max_query_len, int(reqs[i].q_len));
+    s.max_seq_len = std::max(s.max_seq_len, int(key_len[i]));
+  }
+  s.max_blocks_per_seq = std::max(1, s.max_seq_len);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    s.query_start_loc.push_back(int32_t(reqs[i].row_begin + reqs[i].q_len));
+    s.seq_lens.push_back(int32_t(key_len[i]));
+    for (int j = 0; j < s.max_blocks_per_seq; ++j) {
+      s.block_table.push_back(j < key_len[i] ? int32_t(key_begin[i] + j) : 0);
+    }
+  }
+  s.slot_mapping.assign(size_t(s.query_start_loc.back()), -1);  // nothing is written
+  return s;
+}
+
+PrefillPlan plan_prefill(const AttentionMetadata& md, const std::vector<int>& requests) {
+  PrefillPlan plan;
+  for (int ri : requests) {
+    const int64_t begin = i32_at(md.query_start_loc_cpu, ri);
+    const int64_t q_len = i32_at(md.query_start_loc_cpu, ri + 1) - begin;
+    const int64_t cached = i32_at(md.seq_lens_cpu, ri) - q_len;
+    plan.reqs.push_back({ri, begin, q_len, cached, plan.num_rows});
+    plan.num_rows += q_len;
+    plan.max_context = std::max(plan.max_context, cached);
+    plan.with_context += cached > 0 ? 1 : 0;
+  }
+  return plan;
+}
+
+int64_t PrefillPlan::context_share(int64_t chunk_tokens, int block_size) const {
+  int64_t share = std::max<int64_t>(1, chunk_tokens / std::max(1, with_context));
+  if (share >= block_size) share -= share % block_size;
+  return share;
+}
+
+int64_t PrefillPlan::chunk(int64_t c, int64_t share, std::vector<int64_t>& begin,
+                           std::vector<int64_t>& key_begin, std::vector<int64_t>& key_len) const {
+  begin.assign(reqs.size(), 0);
+  key_begin.assign(reqs.size(), 0);
+  key_len.assign(reqs.size(), 0);
+  int64_t num_keys = 0;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    begin[i] = std::min(reqs[i].context, c * share);
+    key_len[i] = std::min(reqs[i].context, begin[i] + share) - begin[i];
+    key_begin[i] = num_keys;
+    num_keys += key_len[i];
+  }
+  return num_keys;
+}
+
 MLAPrefill::MLAPrefill(const MLAOptions& o, const Backend& backend)
     : options_(o), backend_(&backend) {
   AttentionConfig c;
@@ -219,11 +242,12 @@ MLAPrefill::MLAPrefill(const MLAOptions& o, const Backend& backend)
 
 MLAPrefill::~MLAPrefill() = default;
 
-void MLAPrefill::attend(const AttentionConfig& config, AttentionImpl& impl, const StepMetadata& md,
+void MLAPrefill::attend(const AttentionConfig& config, AttentionImpl& impl, StepMetadata& md,
                         const TensorView& query, const TensorView& key, const TensorView& value,
-                        ForwardContext& context, const TensorView& output, const TensorView& lse) {
-  const AttentionMetadata view = md.view();
-  validate_metadata(view, config.attn_type, CacheGeometry{key.size(0), 1});
+                        ForwardContext& context, const TensorView& output, const TensorView& lse,
+                        Stream stream) {
+  validate_metadata(md.view(), config.attn_type, CacheGeometry{key.size(0), 1});
+  const AttentionMetadata view = md.to_device(query.device);  // the host view on the CPU
   const auto plan = backend_->plan(view, config);
   ForwardArgs f;
   f.query = query;
@@ -232,7 +256,8 @@ void MLAPrefill::attend(const AttentionConfig& config, AttentionImpl& impl, cons
   f.output = output;
   f.lse = lse;
   f.plan = plan.get();
-  f.workspace = context.workspace(options_.device, plan->workspace_bytes());
+  f.workspace = context.workspace(query.device, plan->workspace_bytes());
+  f.stream = stream;
   check_forward_args(config, f, /*check_metadata=*/false);
   impl.forward(f);
 }
@@ -245,18 +270,9 @@ void MLAPrefill::forward(const TensorView& q, const TensorView& kv_c, const Tens
   const int n = o.num_heads, p = o.qk_nope_head_dim, r = o.qk_rope_head_dim;
   const int vd = o.v_head_dim, l = o.kv_lora_rank, e = l + r, d = p + r;
   const DType act = o.dtype;
-  std::vector<PrefillRequest> reqs;
-  int64_t tp = 0, max_context = 0;
-  int with_context = 0;
-  for (int ri : requests) {
-    const int64_t begin = i32_at(md.query_start_loc_cpu, ri);
-    const int64_t q_len = i32_at(md.query_start_loc_cpu, ri + 1) - begin;
-    const int64_t cached = i32_at(md.seq_lens_cpu, ri) - q_len;
-    reqs.push_back({ri, begin, q_len, cached, tp});
-    tp += q_len;
-    max_context = std::max(max_context, cached);
-    with_context += cached > 0 ? 1 : 0;
-  }
+  const PrefillPlan plan = plan_prefill(md, requests);
+  const std::vector<PrefillRequest>& reqs = plan.reqs;
+  const int64_t tp = plan.num_rows;
   if (tp == 0) return;
 
   // The prefill queries [Tp, N, P + R] and the new tokens' K/V, from the inputs.
@@ -296,39 +312,33 @@ void MLAPrefill::forward(const TensorView& q, const TensorView& kv_c, const Tens
   }
   Tensor result = Tensor::empty({tp, n, d}, act);
   Tensor result_lse = Tensor::empty({n, tp}, DType::kF32);
-  attend(causal_config_, *causal_impl_, one_token_block_step(reqs, key_begin, key_len, true),
-         query.view(), k_new.view(), v_new.view(), context, result.view(), result_lse.view());
+  StepMetadata causal_md = one_token_block_step(reqs, key_begin, key_len, true);
+  attend(causal_config_, *causal_impl_, causal_md, query.view(), k_new.view(), v_new.view(),
+         context, result.view(), result_lse.view(), {});
 
-  if (with_context > 0) {
+  if (plan.with_context > 0) {
     // The cached context in chunks of at most context_chunk_tokens latent entries (the
     // workspace cap), an equal share per request with context (whole blocks when a block
     // fits, as vLLM rounds it), each chunk non-causal; a request whose context is used up has
     // no keys in a chunk (output 0, LSE -inf, which the merges skip).
-    const int bs = cache.block_size();
-    int64_t share = std::max<int64_t>(1, o.context_chunk_tokens / with_context);
-    if (share >= bs) share -= share % bs;
-    const int64_t num_chunks = (max_context + share - 1) / share;
+    const int64_t share = plan.context_share(o.context_chunk_tokens, cache.block_size());
+    const int64_t num_chunks = (plan.max_context + share - 1) / share;
     Tensor acc = Tensor::empty({tp, n, d}, act), acc_lse = Tensor::empty({n, tp}, DType::kF32);
     Tensor part = Tensor::empty({tp, n, d}, act), part_lse = Tensor::empty({n, tp}, DType::kF32);
     Tensor merged = Tensor::empty({tp, n, d}, act);
     Tensor merged_lse = Tensor::empty({n, tp}, DType::kF32);
     for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
       std::vector<int64_t> begin;
-      int64_t num_keys = 0;
-      for (size_t i = 0; i < reqs.size(); ++i) {
-        begin.push_back(std::min(reqs[i].context, chunk * share));
-        key_len[i] = std::min(reqs[i].context, begin[i] + share) - begin[i];
-        key_begin[i] = num_keys;
-        num_keys += key_len[i];
-      }
+      const int64_t num_keys = plan.chunk(chunk, share, begin, key_begin, key_len);
       gather_context(md, reqs, begin, key_len, cache, k_scale, act, latent);
       Tensor k_ctx = Tensor::empty({num_keys, n, d}, act);
       Tensor v_ctx = Tensor::empty({num_keys, n, d}, act);
       expand(latent, num_keys, o, w, k_ctx.view(), v_ctx.view());
       const bool first = chunk == 0;
-      attend(context_config_, *context_impl_, one_token_block_step(reqs, key_begin, key_len, false),
-             query.view(), k_ctx.view(), v_ctx.view(), context, first ? acc.view() : part.view(),
-             first ? acc_lse.view() : part_lse.view());
+      StepMetadata chunk_md = one_token_block_step(reqs, key_begin, key_len, false);
+      attend(context_config_, *context_impl_, chunk_md, query.view(), k_ctx.view(), v_ctx.view(),
+             context, first ? acc.view() : part.view(), first ? acc_lse.view() : part_lse.view(),
+             {});
       if (!first) {  // left to right, as vLLM merges its chunks
         backend_->merge_states({acc.view(),
                                 acc_lse.view(),

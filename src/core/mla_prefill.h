@@ -33,6 +33,46 @@ struct MLAWeights {
   const float* w_uv = nullptr;  // [N, L, V]
 };
 
+/// One prefill request of the step.
+struct PrefillRequest {
+  int index;          ///< in the step's metadata
+  int64_t q_begin;    ///< the step's first row of it
+  int64_t q_len;      ///< new tokens
+  int64_t context;    ///< cached tokens before the step
+  int64_t row_begin;  ///< its first row among the prefill rows
+};
+
+/// The prefill requests of a step (from the metadata's host mirrors) and the context chunks
+/// over them, shared by the host and the device paths.
+struct PrefillPlan {
+  std::vector<PrefillRequest> reqs;
+  int64_t num_rows = 0;     ///< Tp, the prefill rows
+  int64_t max_context = 0;  ///< the longest cached context
+  int with_context = 0;     ///< requests with a cached context
+  /// Context tokens per request and chunk: an equal share of `chunk_tokens` latent entries per
+  /// request with context (whole blocks when a block fits, as vLLM rounds it).
+  int64_t context_share(int64_t chunk_tokens, int block_size) const;
+  /// Chunk c's context positions [begin[i], begin[i] + key_len[i]) of each request, placed at
+  /// key rows key_begin[i]; returns the chunk's keys. A request whose context is used up has no
+  /// keys in it (output 0, LSE -inf, which the merges skip).
+  int64_t chunk(int64_t c, int64_t share, std::vector<int64_t>& begin,
+                std::vector<int64_t>& key_begin, std::vector<int64_t>& key_len) const;
+};
+PrefillPlan plan_prefill(const AttentionMetadata& md, const std::vector<int>& requests);
+
+/// One pass's metadata over expanded rows seen as one-token blocks: request i's queries are its
+/// prefill rows, its keys the key_len[i] rows from key_begin[i] (block b = expanded row b).
+/// Causal, a request's keys are its own new tokens (context 0 as the pass sees it).
+StepMetadata one_token_block_step(const std::vector<PrefillRequest>& reqs,
+                                  const std::vector<int64_t>& key_begin,
+                                  const std::vector<int64_t>& key_len, bool causal);
+
+/// The absorbed weights' device copies the device path reads (float32, on the layer's device).
+struct MLADeviceWeightsView {
+  const float* w_uk = nullptr;  // [N, L, P]
+  const float* w_uv = nullptr;  // [N, L, V]
+};
+
 /// The prefill formulation of one layer: two attention impls of the layer's backend over
 /// expanded K/V seen as one-token blocks (MultiHeadAttention's trick), N heads of P + R, block
 /// size 1: a causal decoder one for the new tokens and a non-causal encoder_decoder one for the
@@ -52,12 +92,25 @@ class MLAPrefill {
                const KVCacheView& cache, float k_scale, const MLAWeights& weights,
                ForwardContext& context, const TensorView& output);
 
+  /// The same on CUDA tensors (mla_prefill_device.cpp), every step enqueued on `stream`: the
+  /// gathers, expansions and output rows by the kernels of cuda/mla/proj.h, the attention and
+  /// merges by the backend. Eager only: it allocates its buffers and uploads the passes'
+  /// metadata and key lists, so a step with prefill requests cannot be graph-captured (vLLM
+  /// captures decode-only steps in full graphs for the same reason). `md` is the step's device
+  /// metadata with its host mirrors.
+  void forward_device(const TensorView& q, const TensorView& kv_c, const TensorView& k_pe,
+                      const AttentionMetadata& md, const std::vector<int>& requests,
+                      const KVCacheView& cache, float k_scale, const MLADeviceWeightsView& weights,
+                      ForwardContext& context, const TensorView& output, Stream stream);
+
  private:
   // One attention call over expanded K/V rows [num_keys, N, P + R] as one-token blocks; output
-  // [Tp, N, P + R] and lse [N, Tp]; scratch from the context's workspace.
-  void attend(const AttentionConfig& config, AttentionImpl& impl, const StepMetadata& md,
+  // [Tp, N, P + R] and lse [N, Tp]; scratch from the context's workspace; `md` is validated on
+  // the host and copied to the query's device.
+  void attend(const AttentionConfig& config, AttentionImpl& impl, StepMetadata& md,
               const TensorView& query, const TensorView& key, const TensorView& value,
-              ForwardContext& context, const TensorView& output, const TensorView& lse);
+              ForwardContext& context, const TensorView& output, const TensorView& lse,
+              Stream stream);
 
   MLAOptions options_;
   const Backend* backend_ = nullptr;

@@ -3,9 +3,10 @@
 // with slot -1 rows), 16 heads, L = 512, R = 64 (the kernel's only shape), bf16 and fp8 e4m3
 // latent caches, block sizes 64 and 16, inputs drawn fresh (the seed is printed). Each step's
 // output must pass check_mla_step (the float64 oracle, accuracy.h's budget) and the device
-// cache must be bit-identical to the host path's. Also: a decode step captured in a CUDA graph,
-// the profiling step, and the refusal of the prefill formulation on the device. Every test skips
-// without a GPU.
+// cache must be bit-identical to the host path's. Both formulations: every request absorbed, and
+// the split (prompts and a chunk over a cached context through the prefill formulation, with
+// context chunks of 32 tokens merged by LSE, beside absorbed decodes in the same step). Also: a
+// decode step captured in a CUDA graph, and the profiling step. Every test skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -32,7 +33,8 @@ bool have_gpu() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0 && default_registry().find("cuda");
 }
 
-MLAOptions options(int p, int v, KVCacheDType cache, int block, Device device) {
+MLAOptions options(int p, int v, KVCacheDType cache, int block, Device device,
+                   MLAFormulation formulation = MLAFormulation::kAbsorbed) {
   MLAOptions o;
   o.num_heads = kN;
   o.qk_nope_head_dim = p;
@@ -44,8 +46,8 @@ MLAOptions options(int p, int v, KVCacheDType cache, int block, Device device) {
   o.cache_config = CacheConfig{};
   o.cache_config->block_size = block;
   o.cache_config->cache_dtype = cache;
-  // The device path runs every request absorbed (the prefill formulation is host code).
-  o.formulation = MLAFormulation::kAbsorbed;
+  o.formulation = formulation;
+  o.context_chunk_tokens = 32;  // several chunks per context in the prefill formulation
   o.device = device;
   return o;
 }
@@ -85,23 +87,25 @@ std::string label(const MlaShape& s) {
 }
 
 // Three requests: prompts of 70, 5 and 33 tokens in step 1, then one token each per decode step
-// (step 2's input padded with 2 rows of slot -1).
-void run_scenario(const MlaShape& s, uint32_t seed) {
-  SCOPED_TRACE(label(s) + " seed=" + std::to_string(seed));
+// (step 2's input padded with 2 rows of slot -1), except that request 0 takes a chunk of 9 tokens
+// over its 70 cached ones in step 2.
+void run_scenario(const MlaShape& s, uint32_t seed, MLAFormulation formulation) {
+  SCOPED_TRACE(label(s) + " seed=" + std::to_string(seed) + " " +
+               std::string(to_string(formulation)));
   std::mt19937 rng(seed);
   const Device dev = Device::cuda(0);
   const DType act = DType::kBF16;
   const int prompts[3] = {70, 5, 33};
-  const int max_tokens = 80;
+  const int max_tokens = 96;
   const int blocks_per_req = (max_tokens + s.block - 1) / s.block;
   const int64_t num_blocks = 1 + 3 * blocks_per_req;  // block 0 stays unused
   const float k_scale = is_fp8(s.cache) ? 0.02f : 1.0f;
 
   ForwardContext host_ctx, dev_ctx;
-  MLAOptions host_o = options(s.p, s.v, s.cache, s.block, Device::cpu());
+  MLAOptions host_o = options(s.p, s.v, s.cache, s.block, Device::cpu(), formulation);
   host_o.attn_backend = "ref";
   MLAAttention host_layer(host_ctx, host_o);
-  const MLAOptions dev_o = options(s.p, s.v, s.cache, s.block, dev);
+  const MLAOptions dev_o = options(s.p, s.v, s.cache, s.block, dev, formulation);
   MLAAttention dev_layer(dev_ctx, dev_o);
   ASSERT_EQ(dev_layer.backend().name(), "cuda");
   // kv_b_proj [L, N * (P + V)], small enough that logits stay O(1).
@@ -125,8 +129,10 @@ void run_scenario(const MlaShape& s, uint32_t seed) {
     for (int r = 0; r < 3; ++r) {
       std::vector<int32_t> ids;
       for (int i = 0; i < blocks_per_req; ++i) ids.push_back(1 + r * blocks_per_req + i);
+      const int chunk = step == 1 && r == 0 ? 9 : 1;
+      const int done = step == 0 ? 0 : prompts[r] + (step - 1) + (r == 0 && step > 1 ? 8 : 0);
       const RequestSpec spec =
-          step == 0 ? RequestSpec{0, prompts[r], ids} : RequestSpec{prompts[r] + step - 1, 1, ids};
+          step == 0 ? RequestSpec{0, prompts[r], ids} : RequestSpec{done, chunk, ids};
       b.add(spec);
       ta += spec.num_new_tokens;
     }
@@ -185,7 +191,9 @@ TEST(CudaMLAAttention, MatchesTheHostPathOverPrefillAndDecodeSteps) {
        {MlaShape{64, 64, KVCacheDType::kAuto, 64}, MlaShape{64, 64, KVCacheDType::kFp8E4M3, 16},
         MlaShape{128, 128, KVCacheDType::kAuto, 16},
         MlaShape{128, 128, KVCacheDType::kFp8E4M3, 64}}) {
-    run_scenario(s, seed);
+    for (const MLAFormulation f : {MLAFormulation::kAbsorbed, MLAFormulation::kSplit}) {
+      run_scenario(s, seed, f);
+    }
   }
 }
 
@@ -286,28 +294,6 @@ TEST(CudaMLAAttention, AProfilingStepZeroesTheOutput) {
   for (int64_t i = 0; i < got.view().numel(); ++i)
     nonzero += load_element(got.data(), DType::kBF16, i) != 0.0;
   EXPECT_EQ(nonzero, 0);
-}
-
-TEST(CudaMLAAttention, RefusesThePrefillFormulationOnTheDevice) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const Device dev = Device::cuda(0);
-  ForwardContext ctx;
-  MLAOptions o = options(64, 64, KVCacheDType::kAuto, 16, dev);
-  o.formulation = MLAFormulation::kSplit;
-  MLAAttention layer(ctx, o);
-  std::mt19937 rng(std::random_device{}());
-  layer.load_kv_b_proj(random_host({kL, kN * 128}, DType::kF32, rng, 0.05).view());
-  Tensor cache = Tensor::zeros({2, 16, kE}, layer.config().cache_dtype(), dev);
-  layer.bind_kv_cache(cache.view());
-  StepMetadata md = MetadataBuilder(16).add({0, 5, {1}}).build();
-  const AttentionMetadata dmd = md.to_device(dev);
-  const Tensor q = Tensor::copy_of(random_host({5, kN, 64 + kR}, DType::kBF16, rng).view(), dev);
-  const Tensor kv = Tensor::copy_of(random_host({5, kL}, DType::kBF16, rng).view(), dev);
-  const Tensor pe = Tensor::copy_of(random_host({5, kR}, DType::kBF16, rng).view(), dev);
-  Tensor out = poisoned({5, kN * 64}, DType::kBF16, dev);
-  ctx.begin_step({&dmd});
-  EXPECT_THROW(layer.forward(q.view(), kv.view(), pe.view(), out.view()), NotSupported);
-  ctx.end_step();
 }
 
 }  // namespace

@@ -13,17 +13,38 @@ namespace pagedattn::cuda::mla {
 void build_latent(const TensorView& kv_c, const TensorView& k_pe, const TensorView& latent,
                   void* stream);
 
-/// q_lat [T, N, L + R] (contiguous, 16-bit): q_lat[t, h, :L] = q[t, h, :P] W_UK_T[h] with fp32
-/// accumulation rounded once, q_lat[t, h, L:] = q[t, h, P:]. q [T, N, P + R] any strides;
-/// w_uk_t [N, P, L] float32 on the device.
+/// q_lat [T, N, L + R] (contiguous, 16-bit): q_lat[t, h, :L] = q[row(t), h, :P] W_UK_T[h] with
+/// fp32 accumulation rounded once, q_lat[t, h, L:] = q[row(t), h, P:], row(t) = rows[t] (a device
+/// array of T) or t when rows is null. q [>= T, N, P + R] any strides; w_uk_t [N, P, L] float32
+/// on the device.
 void absorb_query(const TensorView& q, const float* w_uk_t, int p, const TensorView& q_lat,
-                  void* stream);
+                  void* stream, const int64_t* rows = nullptr);
 
-/// out[t, h * V + v] = sum_l o_lat[t, h, l] W_UV[h, l, v] (fp32 accumulation, rounded once to
-/// out's dtype: 16-bit, float32 or float64). o_lat [T, N, >= L] contiguous rows (its first L
-/// columns are read); w_uv [N, L, V] float32 on the device; out [>= T, N * V] any strides.
+/// out[row(t), h * V + v] = sum_l o_lat[t, h, l] W_UV[h, l, v] (fp32 accumulation, rounded once
+/// to out's dtype: 16-bit, float32 or float64), row(t) as in absorb_query. o_lat [T, N, >= L]
+/// contiguous rows (its first L columns are read); w_uv [N, L, V] float32 on the device; out
+/// [rows, N * V] any strides.
 void up_project(const TensorView& o_lat, const float* w_uv, int l, int v, int64_t num_tokens,
-                const TensorView& out, void* stream);
+                const TensorView& out, void* stream, const int64_t* rows = nullptr);
+
+/// The prefill formulation's pieces (spec 5.4), used by core/mla_prefill_device.cpp.
+///
+/// latent [K, L + R] (contiguous, 16-bit) row k = the cache entry of request keys[2k] at
+/// position keys[2k + 1] (int32 pairs on the device), through `block_table` (int32 [S, M], any
+/// strides, on the device) and the cache's block size; fp8 entries (e4m3 / e5m2) times `scale`,
+/// every value rounded once to latent's dtype. cache [num_blocks, block_size, 1, L + R].
+void gather_latent(const TensorView& cache, const TensorView& block_table, const int32_t* keys,
+                   float scale, const TensorView& latent, void* stream);
+
+/// k, v [K, N, P + R] (contiguous, latent's 16-bit dtype) from latent [K, L + R] (contiguous):
+/// k[t, h] = [latent[t, :L] W_UK[h] | latent[t, L:]], v[t, h] = [latent[t, :L] W_UV[h] | 0]
+/// (fp32 accumulation, rounded once). w_uk [N, L, P] and w_uv [N, L, V] float32 on the device.
+void expand_kv(const TensorView& latent, const float* w_uk, const float* w_uv, int p, int v,
+               const TensorView& k, const TensorView& vv, void* stream);
+
+/// dst[i, h, c] = src[i, h, c] for every index of the [R, N, C] views (any strides, float
+/// dtypes, converted through float32).
+void copy_heads(const TensorView& src, const TensorView& dst, void* stream);
 
 /// Zeroes out [T, C] (any strides, any float dtype): a profiling step's output.
 void zero_rows(const TensorView& out, void* stream);
