@@ -14,7 +14,9 @@ grep -E "^\[  (PASSED|FAILED)|^\[  FAILED|tests ran" $O/cuda_tests.log | head -2
 PAGEDATTN_CUDA_PREFILL=all timeout 150 $BO > $O/bo_all.log 2>&1; t "bo prefill=all rc=$?"; grep -E "^backend|FAIL" $O/bo_all.log | head -12
 timeout 60 $BO --filter mla > $O/bo_mla.log 2>&1; t "bo mla rc=$?"; grep -E "^backend|FAIL" $O/bo_mla.log | head -6
 PAGEDATTN_CUDA_SPLITS=5 timeout 60 $BO --filter mla > $O/bo_mla5.log 2>&1; t "bo mla splits5 rc=$?"; grep -E "^backend|FAIL" $O/bo_mla5.log | head -6
-PAGEDATTN_CUDA_MLA=split-s timeout 60 $BO --filter mla > $O/bo_mlass.log 2>&1; t "bo mla split-s rc=$?"; grep -E "^backend|FAIL" $O/bo_mlass.log | head -6
+PAGEDATTN_CUDA_MLA=redundant timeout 60 $BO --filter mla > $O/bo_mlars.log 2>&1; t "bo mla redundant rc=$?"; grep -E "^backend|FAIL" $O/bo_mlars.log | head -6
+PAGEDATTN_CUDA_MLA=redundant PAGEDATTN_CUDA_SPLITS=5 timeout 60 $BO --filter mla > $O/bo_mlars5.log 2>&1; t "bo mla redundant splits5 rc=$?"; grep -E "^backend|FAIL" $O/bo_mlars5.log | head -6
+PAGEDATTN_CUDA_PREFILL=all PAGEDATTN_CUDA_PREFILL_KERNEL=portable timeout 100 $BO > $O/bo_port.log 2>&1; t "bo portable prefill rc=$?"; grep -E "^backend|FAIL" $O/bo_port.log | head -6
 left 420 && { timeout 60 $BO > $O/bo_auto.log 2>&1; t "bo auto rc=$?"; grep -E "^backend|FAIL" $O/bo_auto.log | head -8; }
 left 480 && { PAGEDATTN_CUDA_PREFILL=all timeout 60 compute-sanitizer --tool memcheck --error-exitcode 99 $BO --filter dtypes > $O/san.log 2>&1; t "san rc=$?"; tail -2 $O/san.log; }
 left 530 && { timeout 50 compute-sanitizer --tool memcheck --error-exitcode 99 $BO --filter mla > $O/san_mla.log 2>&1; t "san mla rc=$?"; tail -2 $O/san_mla.log; }

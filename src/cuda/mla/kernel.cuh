@@ -12,19 +12,22 @@
 //   grid      x = num_m_tiles * num_seqs (request fastest), y = num_splits. A CTA owns kBlockM
 //             = 64 packed rows (row p = token p / N, head p % N; zero rows past the request) and
 //             the keys of its split, whole 64-key tiles.
-//   warps     384 threads. Warpgroup 0 (producer, 40 registers) copies Q once and every K tile
+//   warps     384 threads. Warpgroup 0 (producer, 24 registers) copies Q once and every K tile
 //             (64 keys x 576) into nine 128-byte-swizzled panels (the wgmma canonical layout):
-//             16-byte cp.async of whole 1152-byte rows, row offsets from the block table in a
-//             smem table; completion arrives on the stage's `full` mbarrier. fp8 caches: the
+//             16-byte cp.async, 8 lanes per row, each lane one chunk of every panel (fixed
+//             swizzle, immediate offsets), row offsets from the block table in a smem table whose
+//             next tile's lookup is in flight during this tile's copies (ncu: the producer set
+//             the pace before); completion arrives on the stage's `full` mbarrier. fp8 caches: the
 //             raw tile lands in a natural-order buffer (two of them, so the next tile's copies
 //             are in flight), each thread widens the chunks it copied into the 16-bit stage.
-//             Warpgroups 1 and 2 (consumers, 232 registers) both compute the same S (wgmma SS,
-//             m64n64k16, 36 k steps) and softmax, then each accumulates O += P V for its 256
-//             of the 512 kv_c columns (wgmma RS, m64n256k16, V MN-major = panels 4 cw .. 4 cw
+//   redundant (PAGEDATTN_CUDA_MLA=redundant, kept as a comparison: 1.2-1.4x slower on the
+//             H200) warpgroups 1 and 2 (consumers, 240 registers) both compute the same S (wgmma
+//             SS, m64n64k16, 36 k steps) and softmax, then each accumulates O += P V for its 256 of
+//             the 512 kv_c columns (wgmma RS, m64n256k16, V MN-major = panels 4 cw .. 4 cw
 //             + 3 of the same tile) and for the 64 k_pe columns (m64n64k16, panel 8; both
 //             warpgroups, warpgroup 1 stores them): 160 fp32 accumulators per thread.
-//   split-S   (Traits::split_s, experimental, PAGEDATTN_CUDA_MLA=split-s; never run on a GPU
-//             yet) warpgroup c computes S only for keys 32 c .. 32 c + 31 (m64n32k16), the two
+//   split-S   (Traits::split_s, the default route; PAGEDATTN_CUDA_MLA=split-s) warpgroup c
+//             computes S only for keys 32 c .. 32 c + 31 (m64n32k16), the two
 //             exchange row maxima through shared memory (named barrier 2), each writes its
 //             half of P (16-bit) into one swizzled 64 x 64 panel, and both run O += P V with P
 //             from shared memory (wgmma SS) over all 64 keys for their columns: S once per
