@@ -150,6 +150,41 @@ __device__ __forceinline__ void rescale_o(float (&o)[kNt][4], const float (&corr
   }
 }
 
+// Where the keys of the CTA's request and KV head live, for both prefill kernels' producers:
+// the K and V head bases and each key's row byte offsets from them (paged through the block
+// table, or the query's own token rows when kv_direct).
+struct KvRows {
+  const char* k_head;
+  const char* v_head;
+  int64_t k_sb, k_sp, v_sb, v_sp;  // bytes per block and per in-block row
+  const int32_t* bt_row;
+  int bs_shift;  // log2(block_size) when a power of two, else -1
+  __device__ __forceinline__ KvRows(const DecodeParams& p, const decode::Work& w, int kv_bytes) {
+    k_head = static_cast<const char*>(p.k) + int64_t(w.kv_head) * p.k_stride_head * kv_bytes;
+    v_head = static_cast<const char*>(p.v) + int64_t(w.kv_head) * p.v_stride_head * kv_bytes;
+    k_sb = p.k_stride_block * kv_bytes;
+    k_sp = p.k_stride_page * kv_bytes;
+    v_sb = p.v_stride_block * kv_bytes;
+    v_sp = p.v_stride_page * kv_bytes;
+    bt_row = p.block_table + int64_t(w.r) * p.block_table_stride_seq;
+    bs_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
+  }
+  // Key `pos` (< w.kv_end) of the request.
+  __device__ __forceinline__ void offsets(const DecodeParams& p, const decode::Work& w, int pos,
+                                          int64_t& k_off, int64_t& v_off) const {
+    if (p.kv_direct) {
+      k_off = (int64_t(w.q_begin) + pos) * k_sb;
+      v_off = (int64_t(w.q_begin) + pos) * v_sb;
+    } else {
+      const int lb = bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size;
+      const int off = pos - lb * p.block_size;
+      const int64_t block = bt_row[int64_t(lb) * p.block_table_stride_block];
+      k_off = block * k_sb + off * k_sp;
+      v_off = block * v_sb + off * v_sp;
+    }
+  }
+};
+
 // The CTA's request, KV head, rows and split of keys (grid.x: q tile slowest and reversed,
 // so the tiles with the most causal keys start first; grid.y: the split). False when the CTA
 // has no rows: a request of the decode kernel's (q_len * G <= route_rows) or a q tile past
@@ -318,15 +353,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
   }
 
   // ---- K/V stage copies: chunk c of a tile's rows goes to thread c % kThreads ----
-  const int kv_bytes = T::kKvBytes;
-  const int64_t k_sb = p.k_stride_block * kv_bytes, k_sp = p.k_stride_page * kv_bytes;
-  const int64_t v_sb = p.v_stride_block * kv_bytes, v_sp = p.v_stride_page * kv_bytes;
-  const char* const k_head =
-      static_cast<const char*>(p.k) + int64_t(w.kv_head) * p.k_stride_head * kv_bytes;
-  const char* const v_head =
-      static_cast<const char*>(p.v) + int64_t(w.kv_head) * p.v_stride_head * kv_bytes;
-  const int bs_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
-  const int32_t* const bt_row = p.block_table + int64_t(w.r) * p.block_table_stride_seq;
+  const KvRows kv(p, w, T::kKvBytes);
+  const char* const k_head = kv.k_head;
+  const char* const v_head = kv.v_head;
   const int n_tiles = ceil_div(w.kv_end - w.kv_begin, kBlockN);
   // Row offsets of tile k into slot k % 2 of the table: one row per thread of the first
   // kBlockN; -1 marks a row past the split (zero-filled, masked).
@@ -335,18 +364,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
     if (int(threadIdx.x) >= kBlockN || k >= n_tiles) return;
     const int pos = w.kv_begin + k * kBlockN + int(threadIdx.x);
     int64_t k_off = -1, v_off = -1;
-    if (pos < w.kv_end) {
-      if (p.kv_direct) {
-        k_off = (int64_t(w.q_begin) + pos) * k_sb;
-        v_off = (int64_t(w.q_begin) + pos) * v_sb;
-      } else {
-        const int lb = bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size;
-        const int off = pos - lb * p.block_size;
-        const int64_t block = bt_row[int64_t(lb) * p.block_table_stride_block];
-        k_off = block * k_sb + off * k_sp;
-        v_off = block * v_sb + off * v_sp;
-      }
-    }
+    if (pos < w.kv_end) kv.offsets(p, w, pos, k_off, v_off);
     int64_t* slot = row_table + (k & 1) * 2 * kBlockN;
     slot[2 * threadIdx.x] = k_off;
     slot[2 * threadIdx.x + 1] = v_off;

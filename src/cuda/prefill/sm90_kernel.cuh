@@ -201,15 +201,9 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   }
   ptx::cp_async_mbarrier_arrive_noinc(bars.q_full());
 
-  constexpr int kEb = T::kKvBytes;
-  const int64_t k_sb = p.k_stride_block * kEb, k_sp = p.k_stride_page * kEb;
-  const int64_t v_sb = p.v_stride_block * kEb, v_sp = p.v_stride_page * kEb;
-  const char* const k_head =
-      static_cast<const char*>(p.k) + int64_t(w.kv_head) * p.k_stride_head * kEb;
-  const char* const v_head =
-      static_cast<const char*>(p.v) + int64_t(w.kv_head) * p.v_stride_head * kEb;
-  const int bs_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
-  const int32_t* const bt_row = p.block_table + int64_t(w.r) * p.block_table_stride_seq;
+  const KvRows kv(p, w, T::kKvBytes);
+  const char* const k_head = kv.k_head;
+  const char* const v_head = kv.v_head;
   // Tile j's rows' byte offsets {K, V} into table slot j % kTableSlots, then a barrier of the
   // producer warpgroup. Rows past the split read the split's last key instead (its bytes are
   // finite: its scores are masked and its P is 0), so the copies need no zero-fill predicate.
@@ -221,16 +215,7 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
     if (ct < kBlockN) {
       const int pos = min(w.kv_begin + j * kBlockN + ct, w.kv_end - 1);
       int64_t k_off, v_off;
-      if (p.kv_direct) {
-        k_off = (int64_t(w.q_begin) + pos) * k_sb;
-        v_off = (int64_t(w.q_begin) + pos) * v_sb;
-      } else {
-        const int lb = bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size;
-        const int off = pos - lb * p.block_size;
-        const int64_t block = bt_row[int64_t(lb) * p.block_table_stride_block];
-        k_off = block * k_sb + off * k_sp;
-        v_off = block * v_sb + off * v_sp;
-      }
+      kv.offsets(p, w, pos, k_off, v_off);
       table[2 * ct] = k_off;
       table[2 * ct + 1] = v_off;
     }
