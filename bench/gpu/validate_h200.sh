@@ -14,6 +14,8 @@ grep -E "^\[  (PASSED|FAILED)|^\[  FAILED|tests ran" $O/cuda_tests.log | head -2
 PAGEDATTN_CUDA_PREFILL=all timeout 150 $BO > $O/bo_all.log 2>&1; t "bo prefill=all rc=$?"; grep -E "^backend|FAIL" $O/bo_all.log | head -12
 timeout 60 $BO --filter mla > $O/bo_mla.log 2>&1; t "bo mla rc=$?"; grep -E "^backend|FAIL" $O/bo_mla.log | head -6
 PAGEDATTN_CUDA_SPLITS=5 timeout 60 $BO --filter mla > $O/bo_mla5.log 2>&1; t "bo mla splits5 rc=$?"; grep -E "^backend|FAIL" $O/bo_mla5.log | head -6
+PAGEDATTN_CUDA_MLA_COPY=tma timeout 60 $BO --filter mla > $O/bo_mlatma.log 2>&1; t "bo mla tma at block 16 too rc=$?"; grep -E "^backend|FAIL" $O/bo_mlatma.log | head -6
+PAGEDATTN_CUDA_MLA_COPY=cp.async timeout 60 $BO --filter mla > $O/bo_mlacp.log 2>&1; t "bo mla cp.async rc=$?"; grep -E "^backend|FAIL" $O/bo_mlacp.log | head -6
 PAGEDATTN_CUDA_MLA=redundant timeout 60 $BO --filter mla > $O/bo_mlars.log 2>&1; t "bo mla redundant rc=$?"; grep -E "^backend|FAIL" $O/bo_mlars.log | head -6
 PAGEDATTN_CUDA_MLA=redundant PAGEDATTN_CUDA_SPLITS=5 timeout 60 $BO --filter mla > $O/bo_mlars5.log 2>&1; t "bo mla redundant splits5 rc=$?"; grep -E "^backend|FAIL" $O/bo_mlars5.log | head -6
 PAGEDATTN_CUDA_PREFILL=all PAGEDATTN_CUDA_PREFILL_KERNEL=portable timeout 100 $BO > $O/bo_port.log 2>&1; t "bo portable prefill rc=$?"; grep -E "^backend|FAIL" $O/bo_port.log | head -6

@@ -70,6 +70,12 @@ BackendOptions backend_options_from_env() {
             "') must be redundant or split-s");
     o.mla_split_s = v == "split-s";
   }
+  if (const char* s = std::getenv(kMlaCopyEnvVar); s && *s) {
+    const std::string v(s);
+    require(v == "auto" || v == "tma" || v == "cp.async", kMlaCopyEnvVar, " ('", v,
+            "') must be auto, tma or cp.async");
+    o.mla_copy = v == "tma" ? MlaCopy::kTma : v == "cp.async" ? MlaCopy::kCpAsync : MlaCopy::kAuto;
+  }
   return o;
 }
 

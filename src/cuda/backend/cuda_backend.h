@@ -27,6 +27,14 @@ inline constexpr const char* kDecodeCopyEnvVar = "PAGEDATTN_CUDA_DECODE_COPY";
 /// split between the consumer warpgroups, P shared through smem; 1.2-1.4x faster on the H200)
 /// or redundant (both warpgroups compute the whole S; kept as a comparison).
 inline constexpr const char* kMlaEnvVar = "PAGEDATTN_CUDA_MLA";
+/// Environment variable for how the MLA kernel brings the full tiles of a 16-bit latent cache:
+/// auto (TMA when the block size is a multiple of 64: one box per panel; measured on the H200
+/// as fast as cp.async there, and 6% slower at block size 16, where a tile takes 36 boxes from
+/// one thread), tma (also at block sizes that are multiples of 16) or cp.async (row gathers).
+inline constexpr const char* kMlaCopyEnvVar = "PAGEDATTN_CUDA_MLA_COPY";
+
+/// How the MLA kernel copies full tiles (kMlaCopyEnvVar).
+enum class MlaCopy : uint8_t { kAuto, kTma, kCpAsync };
 /// Shortest K/V row (head_size x cache element bytes) the auto choice copies in bulk. Measured
 /// [H200, docs/kernel_notes.md v6]: 256-byte rows (bf16 d128) read 2-3% faster in bulk at
 /// batch >= 64, 128-byte rows (fp8 d128, bf16 d64) 15-25% slower.
@@ -53,6 +61,7 @@ struct BackendOptions {
   bool portable_prefill = false;               ///< the mma.sync prefill kernel even on Hopper
   DecodeCopy decode_copy = DecodeCopy::kAuto;  ///< how decode brings K/V rows into smem
   bool mla_split_s = true;                     ///< the MLA variant (kMlaEnvVar)
+  MlaCopy mla_copy = MlaCopy::kAuto;           ///< the MLA kernel's tile copies (kMlaCopyEnvVar)
 };
 
 /// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS, PAGEDATTN_CUDA_PREFILL,

@@ -8,6 +8,7 @@
 #include "cuda/backend/mla_route.h"
 #include "cuda/backend/plan.h"
 #include "cuda/common/device_props.h"
+#include "cuda/common/tensor_map.h"
 #include "cuda/decode/config.h"
 #include "pagedattn/error.h"
 
@@ -84,6 +85,9 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
     require<NotSupported>(mla_ != nullptr, "cuda backend: the ",
                           options.mla_split_s ? "split-s " : "", "MLA kernel is not compiled for ",
                           dtype_name(config.dtype), " over ", dtype_name(cache_dtype_));
+    if (device_props(device.index).cc_major >= 9 && options.mla_copy != MlaCopy::kCpAsync) {
+      mla_tma_rows_ = options.mla_copy == MlaCopy::kTma ? 16 : 64;
+    }
     mla_combine_ = mla::find_mla_combine(config.dtype);
     write_ = cache_ops::find_write_kv(config.dtype, cache_dtype_);
     require<NotSupported>(write_ != nullptr, "cuda backend: write_kv is not compiled for ",
@@ -359,6 +363,21 @@ void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {
   p.kv = k.data;
   p.kv_stride_block = k.stride(0);
   p.kv_stride_page = k.stride(1);
+  // TMA for full tiles when the rows are 16-bit and a box of min(block_size, 64) rows stays
+  // inside a block (kMlaCopyEnvVar says at which block sizes); the map is encoded per call (a few
+  // microseconds; it travels by value in the kernel's parameters, so a captured graph replays it).
+  const int64_t es = int64_t(dtype_size(k.dtype));
+  if (mla_tma_rows_ > 0 && es == 2 && a.kv_cache.block_size() % mla_tma_rows_ == 0 &&
+      aligned(k.data, 16) && (k.stride(0) * es) % 16 == 0 && (k.stride(1) * es) % 16 == 0) {
+    const uint64_t dims[3] = {uint64_t(mla::kEntry), uint64_t(k.size(1)), uint64_t(k.size(0))};
+    const uint64_t strides[2] = {uint64_t(k.stride(1) * es), uint64_t(k.stride(0) * es)};
+    const uint32_t box[3] = {64, uint32_t(std::min<int64_t>(k.size(1), mla::kBlockN)), 1};
+    const char* why = nullptr;
+    p.kv_tma =
+        encode_tiled_3d_sw128(&p.kv_map, k.data, k.dtype == DType::kBF16, dims, strides, box, &why)
+            ? 1
+            : 0;
+  }
   p.query_start_loc = static_cast<const int32_t*>(md.query_start_loc.data);
   p.seq_lens = static_cast<const int32_t*>(md.seq_lens.data);
   p.block_table = static_cast<const int32_t*>(md.block_table.data);

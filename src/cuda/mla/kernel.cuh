@@ -17,7 +17,9 @@
 //             16-byte cp.async, 8 lanes per row, each lane one chunk of every panel (fixed
 //             swizzle, immediate offsets), row offsets from the block table in a smem table whose
 //             next tile's lookup is in flight during this tile's copies (ncu: the producer set
-//             the pace before); completion arrives on the stage's `full` mbarrier. fp8 caches: the
+//             the pace before); completion arrives on the stage's `full` mbarrier. With
+//             p.kv_tma, full tiles of a 16-bit cache come instead by TMA (one box per panel
+//             and block, issued by thread 0 with the tile's byte count). fp8 caches: the
 //             raw tile lands in a natural-order buffer (two of them, so the next tile's copies
 //             are in flight), each thread widens the chunks it copied into the 16-bit stage.
 //   redundant (PAGEDATTN_CUDA_MLA=redundant, kept as a comparison: 1.2-1.4x slower on the
@@ -196,12 +198,18 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
   // pace, with that dependent global load on its path every tile). Rows past the split read
   // the split's last key (finite bytes whose scores are masked and whose P is 0), so the
   // copies need no zero-fill predicate.
+  // A row is kept as {block id, row in block} (high and low 32 bits): the TMA path needs the
+  // pair, the cp.async path its byte offset (row_bytes).
   auto lookup = [&](int j) -> int64_t {
     if (ct >= kBlockN || j >= n_tiles) return 0;
     const int pos = min(w.kv_begin + j * kBlockN + ct, w.kv_end - 1);
     const int lb = bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size;
     const int in_block = pos - lb * p.block_size;
-    return int64_t(bt_row[int64_t(lb) * p.block_table_stride_block]) * sb + in_block * sp;
+    return int64_t(uint64_t(uint32_t(bt_row[int64_t(lb) * p.block_table_stride_block])) << 32 |
+                   uint32_t(in_block));
+  };
+  auto row_bytes = [&](int64_t row) {
+    return int64_t(uint32_t(uint64_t(row) >> 32)) * sb + int64_t(uint32_t(row)) * sp;
   };
   // Slot j % 2; the barrier also tells every thread that tile j - 1's copies, which read the
   // other slot, are issued before that slot is rewritten.
@@ -223,16 +231,41 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
   int64_t next_off = lookup(0);
   if constexpr (!kFp8) {
     const uint32_t chunk_at = uint32_t(((lane_col ^ (lane_row & 7)) << 4) + lane_row * 128);
+    // TMA (p.kv_tma): thread 0 brings a whole tile as 9 panels x 64 / box_rows boxes, the
+    // others only arrive; the split's last, partial tile still goes by cp.async (its rows past
+    // the split read the last key, which a box cannot do).
+    const int box_rows = min(p.block_size, kBlockN);
     for (int j = 0; j < n_tiles; ++j) {
       const int s = j % kStages;
       const int64_t* table = publish(j, next_off);
       next_off = lookup(j + 1);
       mbar_wait(bars.empty(s), ((j / kStages) & 1) ^ 1);  // tile j - kStages released
-      const uint32_t dst0 =
-          sm80::smem_addr(smem + lay.stage_offset + s * lay.stage_bytes) + chunk_at;
+      unsigned char* const stage = smem + lay.stage_offset + s * lay.stage_bytes;
+      if (p.kv_tma && w.kv_begin + (j + 1) * kBlockN <= w.kv_end) {
+        if (ct == 0) {
+          ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
+                                         bars.full(s), uint32_t(kBlockN * kEntry * 2));
+          for (int b = 0; b < kBlockN; b += box_rows) {
+            const uint64_t row = uint64_t(table[b]);
+            const int32_t block = int32_t(row >> 32), in_block = int32_t(uint32_t(row));
+#pragma unroll
+            for (int k = 0; k < kPanels; ++k) {
+              const int32_t at[3] = {64 * k, in_block, block};
+              ptx::cp_async_bulk_tensor(ptx::space_shared, ptx::space_global,
+                                        stage + k * lay.kv_panel + b * 128, &p.kv_map, at,
+                                        bars.full(s));
+            }
+          }
+        } else {
+          ptx::mbarrier_arrive(bars.full(s));
+        }
+        continue;
+      }
+      const uint32_t dst0 = sm80::smem_addr(stage) + chunk_at;
 #pragma unroll
       for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
-        const char* const src = cache + table[lane_row + kRowsPerPass * i] + lane_col * 16;
+        const char* const src =
+            cache + row_bytes(table[lane_row + kRowsPerPass * i]) + lane_col * 16;
 #pragma unroll
         for (int k = 0; k < kPer; ++k) {
           sm80::cp_async_16(dst0 + k * lay.kv_panel + i * kRowsPerPass * 128, src + k * kLanes * 16,
@@ -252,7 +285,8 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
                            lane_row * kEntry + lane_col * 16;
 #pragma unroll
       for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
-        const char* const src = cache + table[lane_row + kRowsPerPass * i] + lane_col * 16;
+        const char* const src =
+            cache + row_bytes(table[lane_row + kRowsPerPass * i]) + lane_col * 16;
 #pragma unroll
         for (int k = 0; k < kPer; ++k) {
           sm80::cp_async_16(raw + i * kRowsPerPass * kEntry + k * kLanes * 16,

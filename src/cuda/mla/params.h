@@ -2,6 +2,8 @@
 // POD struct, host -> device. Strides are in elements; every row is contiguous.
 #pragma once
 
+#include <cuda.h>
+
 #include <cstdint>
 
 namespace pagedattn::cuda::mla {
@@ -39,6 +41,12 @@ struct MlaParams {
 
   float scale_log2;  ///< scale * k_scale * log2(e): q.k -> logit in log2 units
   float v_scale;     ///< fp8: multiplies the output (the latent's one scale); 1 otherwise
+
+  /// kv_tma: full 64-key tiles come by TMA through kv_map (16-bit cache, block_size a multiple
+  /// of 16): a 3-D map {576, block_size, num_blocks}, boxes of 64 columns x min(block_size, 64)
+  /// rows, 128-byte swizzled as the panels are. 0: every tile by cp.async.
+  int kv_tma;
+  CUtensorMap kv_map;  // 64-byte aligned by its type
 
   int num_splits;      ///< grid.y; > 1: partials go to the workspace, the combine merges them
   float* partial_o;    ///< [num_splits, T_a, num_heads, 576] float, normalised, v-scaled

@@ -1,0 +1,20 @@
+// TMA tensor maps for the kernels' bulk tensor copies, encoded on the host through the driver's
+// cuTensorMapEncodeTiled, reached via the runtime's driver entry point (the library links the
+// static runtime only, never libcuda directly).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+namespace pagedattn::cuda {
+
+/// A tiled map over a 3-D tensor of 16-bit elements (bf16 when `bf16`, else f16): dims
+/// {inner, middle, outer} elements, `strides` the byte strides of middle and outer (multiples
+/// of 16), boxes of {box[0], box[1], box[2]} elements landing 128-byte swizzled (box[0] * 2 must
+/// be 128). False, with a reason in `*why`, when the driver refuses or has no entry point: the
+/// caller then keeps its cp.async path.
+bool encode_tiled_3d_sw128(CUtensorMap* map, const void* base, bool bf16, const uint64_t dims[3],
+                           const uint64_t strides[2], const uint32_t box[3], const char** why);
+
+}  // namespace pagedattn::cuda
