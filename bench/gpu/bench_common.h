@@ -1,10 +1,11 @@
-// Helpers of the GPU benchmarks (bench_decode, bench_prefill): CUDA error checks, event
-// timing, the device copy rate and random device data.
+// Helpers of the GPU benchmarks (bench_decode, bench_prefill, bench_mla, bench_dcp): CUDA error
+// checks, event timing, clock warm-up, graph capture, the device copy rate and random device data.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -51,6 +52,61 @@ std::vector<double> time_ms(cudaStream_t stream, int repeats, F&& body) {
   BENCH_CUDA(cudaEventDestroy(a));
   BENCH_CUDA(cudaEventDestroy(b));
   return out;
+}
+
+// Runs `pass` (which enqueues work on `stream`) and waits, again and again until >= 100 ms have
+// gone by: the clocks are up before anything is timed.
+template <class F>
+void warm_clocks(cudaStream_t stream, F&& pass) {
+  const auto t0 = std::chrono::steady_clock::now();
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 0.1) {
+    pass();
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+  }
+}
+
+// What `pass` enqueues on `stream`, captured once into an executable CUDA graph.
+class Graph {
+ public:
+  template <class F>
+  Graph(cudaStream_t stream, F&& pass) : stream_(stream) {
+    BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    pass();
+    BENCH_CUDA(cudaStreamEndCapture(stream, &graph_));
+    BENCH_CUDA(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  ~Graph() {
+    cudaGraphExecDestroy(exec_);
+    cudaGraphDestroy(graph_);
+  }
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  void launch() const { BENCH_CUDA(cudaGraphLaunch(exec_, stream_)); }
+
+ private:
+  cudaStream_t stream_;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+// bench_decode's and bench_mla's protocol: `pass` once (module load, attributes), the clocks
+// warmed, `repeats` eager passes, then `repeats` replays of the pass captured in a graph;
+// milliseconds per pass, eager and replayed.
+struct PassTimes {
+  std::vector<double> eager, graphed;
+};
+template <class F>
+PassTimes time_eager_and_graphed(cudaStream_t stream, int repeats, F&& pass) {
+  pass();
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  warm_clocks(stream, pass);
+  PassTimes t;
+  t.eager = time_ms(stream, repeats, pass);
+  const Graph graph(stream, pass);
+  graph.launch();
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  t.graphed = time_ms(stream, repeats, [&] { graph.launch(); });
+  return t;
 }
 
 inline double copy_rate_gbps(cudaStream_t stream) {

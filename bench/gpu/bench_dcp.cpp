@@ -23,7 +23,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -172,20 +171,22 @@ json run_point(const Point& p, int rank, int world, ncclComm_t comm, cudaStream_
     impl->forward(f);
   };
   auto exchange = [&] { nccl::dcp_exchange(comm, cuda, x); };
-  // Warm-up (module load, NCCL channels) and >= 100 ms of clock warming.
+  // Warm-up (module load, NCCL channels), then the clocks.
   for (int rot = 0; rot < rotations; ++rot) {
     forward(rot);
     exchange();
   }
   barrier(comm, stream, word);
-  const auto warm0 = std::chrono::steady_clock::now();
-  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - warm0).count() < 0.1) {
+  auto step_all = [&] {  // every rotation once
     for (int rot = 0; rot < rotations; ++rot) {
       forward(rot);
       exchange();
     }
-    BENCH_CUDA(cudaStreamSynchronize(stream));
-  }
+  };
+  // A fixed number of passes, not warm_clocks' time limit: every rank must make the same
+  // number of collective calls.
+  for (int i = 0; i < 20; ++i) step_all();
+  BENCH_CUDA(cudaStreamSynchronize(stream));
   barrier(comm, stream, word);
   // Eager steps, each part between events.
   std::vector<cudaEvent_t> ev(size_t(3 * repeats));
@@ -210,21 +211,13 @@ json run_point(const Point& p, int rank, int world, ncclComm_t comm, cudaStream_
   for (auto& e : ev) BENCH_CUDA(cudaEventDestroy(e));
   // The whole step (every rotation) in one CUDA graph, replayed.
   barrier(comm, stream, word);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int rot = 0; rot < rotations; ++rot) {
-    forward(rot);
-    exchange();
+  std::vector<double> graphed;
+  {
+    const Graph graph(stream, step_all);
+    graph.launch();
+    barrier(comm, stream, word);
+    graphed = time_ms(stream, std::max(3, repeats / 2), [&] { graph.launch(); });
   }
-  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
-  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  BENCH_CUDA(cudaGraphLaunch(exec, stream));
-  barrier(comm, stream, word);
-  const auto graphed =
-      time_ms(stream, std::max(3, repeats / 2), [&] { BENCH_CUDA(cudaGraphLaunch(exec, stream)); });
-  BENCH_CUDA(cudaGraphExecDestroy(exec));
-  BENCH_CUDA(cudaGraphDestroy(graph));
   barrier(comm, stream, word);
   return {{"label", label(p)},
           {"group", p.group},

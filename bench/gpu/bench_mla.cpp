@@ -13,7 +13,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -139,25 +138,9 @@ json run_point(const Backend& backend, const Shape& s, const Options& o, size_t 
     }
   };
   const int repeats = o.quick ? 5 : 15;
-  one_pass();
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  const auto warm0 = std::chrono::steady_clock::now();
-  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - warm0).count() < 0.1) {
-    one_pass();
-    BENCH_CUDA(cudaStreamSynchronize(stream));
-  }
-  const auto eager = time_ms(stream, repeats, one_pass);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  one_pass();
-  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
-  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  BENCH_CUDA(cudaGraphLaunch(exec, stream));
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  const auto graphed = time_ms(stream, repeats, [&] { BENCH_CUDA(cudaGraphLaunch(exec, stream)); });
-  BENCH_CUDA(cudaGraphExecDestroy(exec));
-  BENCH_CUDA(cudaGraphDestroy(graph));
+  const PassTimes times = time_eager_and_graphed(stream, repeats, one_pass);
+  const std::vector<double>& eager = times.eager;
+  const std::vector<double>& graphed = times.graphed;
 
   const double us = median(graphed) * 1e3 / rotations;
   const double us_eager = median(eager) * 1e3 / rotations;

@@ -10,7 +10,6 @@
 // FLOPs counted: 4 * head_size per visible (query, key) pair per query head (QK^T and PV,
 // 2 FLOPs per multiply-add), i.e. 4 * q * k * d halved for a causal square; a chunk of q
 // tokens over c cached ones sees sum_i (c + i + 1) keys. Nothing else is counted.
-#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -52,21 +51,11 @@ double graph_us(cudaStream_t stream, bool quick, F&& body) {
   BENCH_CUDA(cudaStreamSynchronize(stream));
   const double one_ms = median(time_ms(stream, 3, body));
   const int per_graph = std::clamp(int(std::ceil(2.0 / std::max(one_ms, 1e-3))), 1, 64);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < per_graph; ++i) body();
-  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
-  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  const auto warm0 = std::chrono::steady_clock::now();
-  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - warm0).count() < 0.1) {
-    BENCH_CUDA(cudaGraphLaunch(exec, stream));
-    BENCH_CUDA(cudaStreamSynchronize(stream));
-  }
-  const auto ms =
-      time_ms(stream, quick ? 5 : 11, [&] { BENCH_CUDA(cudaGraphLaunch(exec, stream)); });
-  BENCH_CUDA(cudaGraphExecDestroy(exec));
-  BENCH_CUDA(cudaGraphDestroy(graph));
+  const Graph graph(stream, [&] {
+    for (int i = 0; i < per_graph; ++i) body();
+  });
+  warm_clocks(stream, [&] { graph.launch(); });
+  const auto ms = time_ms(stream, quick ? 5 : 11, [&] { graph.launch(); });
   return median(ms) * 1e3 / per_graph;
 }
 
