@@ -101,12 +101,13 @@ struct Sm90Layout {
   int stage_bytes = 0;
   int raw_offset = 0;    ///< fp8 caches: [K, V][kBlockN][head_size] raw codes of the next tile
   int table_offset = 0;  ///< [kStages + 1][kBlockN] {K, V} int64 row byte offsets (producer)
-  int bar_offset = 0;    ///< mbarriers: q_full, K full / V full / K empty / V empty [kStages]
+  int bar_offset = 0;    ///< mbarriers: q_full, K full / V full / K empty / V empty [kStages],
+                         ///< (persistent) q_empty
   int total = 0;         ///< including 1024 bytes to align the dynamic base
 };
 
 constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int stages,
-                                 int kv_elem_bytes) {
+                                 int kv_elem_bytes, bool persistent = false) {
   Sm90Layout s;
   const int panels = (head_size + 63) / 64;  // a last panel of 16-48 columns is partly unused
   s.q_panel = block_m * 128;
@@ -116,8 +117,8 @@ constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int st
   s.stage_bytes = 2 * panels * s.kv_panel;
   s.raw_offset = s.stage_offset + stages * s.stage_bytes;
   s.table_offset = s.raw_offset + (kv_elem_bytes == 1 ? 2 * block_n * head_size : 0);
-  s.bar_offset = s.table_offset + (stages + 1) * block_n * 16;  // kTableSlots
-  s.total = s.bar_offset + (1 + 4 * stages) * 8 + 1024;
+  s.bar_offset = s.table_offset + (stages + 1) * block_n * 16;                  // kTableSlots
+  s.total = s.bar_offset + (1 + 4 * stages + (persistent ? 1 : 0)) * 8 + 1024;  // + q_empty
   return s;
 }
 
@@ -169,8 +170,15 @@ struct Sm90Traits {
 #else
   static constexpr bool kPingpong = false;
 #endif
+  /// Persistent CTAs (experiment, PAGEDATTN_SM90_PERSISTENT=1): one per resident slot, each
+  /// walking the work tiles longest first, one tile's epilogue overlapping the next one's loads.
+#ifdef PAGEDATTN_SM90_PERSISTENT
+  static constexpr bool kPersistent = PAGEDATTN_SM90_PERSISTENT != 0;
+#else
+  static constexpr bool kPersistent = false;
+#endif
   static constexpr Sm90Layout layout() {
-    return sm90_layout(kHeadSize, kBlockM, kBlockN, kStages, kKvBytes);
+    return sm90_layout(kHeadSize, kBlockM, kBlockN, kStages, kKvBytes, kPersistent);
   }
   static_assert(layout().total <= decode::kMaxSmemPerCta);
 };

@@ -32,6 +32,7 @@
 //             bench/gpu/bench_decode --prefill.
 #pragma once
 
+#include "cuda/common/device_props.h"
 #include "cuda/decode/kernel.cuh"
 #include "cuda/prefill/config.h"
 #include "cuda/prefill/launch.h"
@@ -185,14 +186,15 @@ struct KvRows {
   }
 };
 
-// The CTA's request, KV head, rows and split of keys (grid.x: q tile slowest and reversed,
-// so the tiles with the most causal keys start first; grid.y: the split). False when the CTA
+// The CTA's request, KV head, rows and split of keys from its work tile (x: grid.x, q tile
+// slowest and reversed, so the tiles with the most causal keys start first; split: grid.y; the
+// persistent Hopper kernel passes the indices of each work tile it takes). False when the tile
 // has no rows: a request of the decode kernel's (q_len * G <= route_rows) or a q tile past
 // the request's query.
 __device__ __forceinline__ bool prefill_work(const DecodeParams& p, int block_m, int split_align,
-                                             decode::Work& w) {
+                                             int x, int split, decode::Work& w) {
   const int per_tile = p.num_seqs * p.num_kv_heads;
-  const int x = int(blockIdx.x), tile_rank = x / per_tile, rem = x - tile_rank * per_tile;
+  const int tile_rank = x / per_tile, rem = x - tile_rank * per_tile;
   w.r = rem / p.num_kv_heads;
   w.kv_head = rem - w.r * p.num_kv_heads;
   w.q_begin = p.query_start_loc[w.r];
@@ -207,7 +209,7 @@ __device__ __forceinline__ bool prefill_work(const DecodeParams& p, int block_m,
   const int range_lo = first.lo, range_hi = max(last.hi, first.lo);
   const int chunk =
       ceil_div(ceil_div(range_hi - range_lo, p.num_splits), split_align) * split_align;
-  w.kv_begin = min(range_lo + int(blockIdx.y) * chunk, range_hi);
+  w.kv_begin = min(range_lo + split * chunk, range_hi);
   w.kv_end = min(w.kv_begin + chunk, range_hi);
   return true;
 }
@@ -334,7 +336,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
   sm80::launch_dependent_grids();
 
   decode::Work w;
-  if (!prefill_work(p, T::kBlockM, T::kSplitAlign, w)) return;
+  if (!prefill_work(p, T::kBlockM, T::kSplitAlign, int(blockIdx.x), int(blockIdx.y), w)) return;
 
   // This warp's rows and the keys they can see (tiles outside span.lo..hi are skipped).
   const int wrow0 = warp * T::kRowsPerWarp;
@@ -532,6 +534,18 @@ struct PrefillHost {
     int device = 0;
     PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
     prepare<kKernel>(device);
+    decode::launch_with_pdl(kKernel, grid, dim3(T::kThreads), T::layout().total, stream, p);
+  }
+  // The persistent Hopper kernel: as many CTAs as fit on the device at once (at most one per
+  // work tile), each walking the work tiles blockIdx.x, blockIdx.x + gridDim.x, ...
+  template <Kernel kKernel>
+  static void launch_persistent(const DecodeParams& p, cudaStream_t stream) {
+    const int64_t total = int64_t(p.num_q_tiles) * p.num_seqs * p.num_kv_heads * p.num_splits;
+    if (total == 0) return;
+    int device = 0;
+    PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
+    const int64_t resident = int64_t(device_props(device).num_sms) * ctas_per_sm<kKernel>(device);
+    const dim3 grid(unsigned(std::max<int64_t>(1, std::min(total, resident))), 1);
     decode::launch_with_pdl(kKernel, grid, dim3(T::kThreads), T::layout().total, stream, p);
   }
   template <Kernel kKernel>

@@ -50,16 +50,27 @@ struct Barriers {
   __device__ uint64_t* v_full(int s) const { return base + 1 + kStages + s; }
   __device__ uint64_t* k_empty(int s) const { return base + 1 + 2 * kStages + s; }
   __device__ uint64_t* v_empty(int s) const { return base + 1 + 3 * kStages + s; }
+  // Persistent kernels only: Q's buffer free again (consumers -> producer), once per work tile.
+  __device__ uint64_t* q_empty() const { return base + 1 + 4 * kStages; }
+};
+
+// Where a work tile starts in the CTA's stream of them: `it` K/V tiles came before it through
+// the rings (their stage and phase follow on), it is work tile number `k` (Q's phase), and
+// `first` says the role's registers are still to be set. A non-persistent CTA has one work
+// tile: {0, 0, true}.
+struct TileSeq {
+  int it = 0, k = 0;
+  bool first = true;
 };
 
 template <class T>
 __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Work& w,
-                                        unsigned char* smem, Barriers<T::kStages> bars,
-                                        int n_tiles);
+                                        unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
+                                        TileSeq seq);
 template <class T, bool kFeatures>
 __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Work& w,
-                                        unsigned char* smem, Barriers<T::kStages> bars,
-                                        int n_tiles);
+                                        unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
+                                        TileSeq seq);
 
 // kFeatures: soft cap and ALiBi compiled in (a second instance; see softmax_scores).
 template <class T, bool kFeatures>
@@ -74,8 +85,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   sm80::launch_dependent_grids();
 
   decode::Work w;
-  if (!prefill_work(p, T::kBlockM, T::kSplitAlign, w)) return;
-  const int n_tiles = ceil_div(w.kv_end - w.kv_begin, T::kBlockN);
+  if constexpr (!T::kPersistent) {
+    if (!prefill_work(p, T::kBlockM, T::kSplitAlign, int(blockIdx.x), int(blockIdx.y), w)) return;
+  }
 
   const Barriers<T::kStages> bars{reinterpret_cast<uint64_t*>(smem + lay.bar_offset)};
   if (threadIdx.x == 0) {
@@ -86,14 +98,45 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       ptx::mbarrier_init(bars.k_empty(s), 128 * T::kConsumers);
       ptx::mbarrier_init(bars.v_empty(s), 128 * T::kConsumers);
     }
+    if constexpr (T::kPersistent) ptx::mbarrier_init(bars.q_empty(), 128 * T::kConsumers);
     ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
   }
   __syncthreads();
-  // One branch per role, as setmaxnreg requires.
-  if (threadIdx.x < 128) {
-    produce<T>(p, w, smem, bars, n_tiles);
+  if constexpr (!T::kPersistent) {
+    const int n_tiles = ceil_div(w.kv_end - w.kv_begin, T::kBlockN);
+    // One branch per role, as setmaxnreg requires.
+    if (threadIdx.x < 128) {
+      produce<T>(p, w, smem, bars, n_tiles, TileSeq{});
+    } else {
+      consume<T, kFeatures>(p, w, smem, bars, n_tiles, TileSeq{});
+    }
   } else {
-    consume<T, kFeatures>(p, w, smem, bars, n_tiles);
+    // Work tiles t = blockIdx.x + i * gridDim.x of the grid the non-persistent kernel would
+    // launch (q tile slowest and reversed: the longest causal rows first), the split fastest;
+    // every role walks the same sequence, so the rings' phases carry over from tile to tile,
+    // and one tile's output rows are stored while the producer already loads the next one.
+    const int total = p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits;
+    auto for_each_tile = [&](auto&& role) {
+      TileSeq seq;
+      seq.first = false;  // the registers are set once per role, below, outside the loop
+      for (int t = int(blockIdx.x); t < total; t += int(gridDim.x)) {
+        const int x = t / p.num_splits;
+        if (!prefill_work(p, T::kBlockM, T::kSplitAlign, x, t - x * p.num_splits, w)) continue;
+        const int n_tiles = ceil_div(w.kv_end - w.kv_begin, T::kBlockN);
+        role(n_tiles, seq);
+        seq.it += n_tiles;
+        ++seq.k;
+      }
+    };
+    // One branch per role, as setmaxnreg requires, with the tile loop inside it.
+    if (threadIdx.x < 128) {
+      sm90::setmaxnreg_dec<T::kProducerRegs>();
+      for_each_tile([&](int n_tiles, TileSeq seq) { produce<T>(p, w, smem, bars, n_tiles, seq); });
+    } else {
+      sm90::setmaxnreg_inc<T::kConsumerRegs>();
+      for_each_tile(
+          [&](int n_tiles, TileSeq seq) { consume<T, kFeatures>(p, w, smem, bars, n_tiles, seq); });
+    }
   }
 }
 
@@ -106,7 +149,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 // hidden behind one widening.
 template <class T, class FillTable>
 __device__ __forceinline__ void produce_fp8(const DecodeParams& p, unsigned char* smem,
-                                            Barriers<T::kStages> bars, int n_tiles,
+                                            Barriers<T::kStages> bars, int n_tiles, int it0,
                                             const char* k_head, const char* v_head,
                                             FillTable& fill_table) {
   constexpr int D = T::head_size, kBlockN = T::kBlockN, kStages = T::kStages;
@@ -164,8 +207,8 @@ __device__ __forceinline__ void produce_fp8(const DecodeParams& p, unsigned char
     sm80::cp_async_commit();
   }
   for (int j = 0; j < n_tiles; ++j) {
-    const int s = j % kStages;
-    const uint32_t free_parity = ((j / kStages) & 1) ^ 1;  // tile j - kStages released
+    const int s = (it0 + j) % kStages;
+    const uint32_t free_parity = (((it0 + j) / kStages) & 1) ^ 1;  // tile j - kStages released
     unsigned char* const sk = smem + lay.stage_offset + s * lay.stage_bytes;
     sm80::cp_async_wait<1>();  // K_j staged (V_j may still be in flight)
     mbar_wait(bars.k_empty(s), free_parity);
@@ -185,13 +228,16 @@ __device__ __forceinline__ void produce_fp8(const DecodeParams& p, unsigned char
 
 template <class T>
 __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Work& w,
-                                        unsigned char* smem, Barriers<T::kStages> bars,
-                                        int n_tiles) {
+                                        unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
+                                        TileSeq seq) {
   constexpr int D = T::head_size, kBlockN = T::kBlockN, kBlockM = T::kBlockM;
   constexpr int kStages = T::kStages, kChunks = D / 8;
   constexpr Sm90Layout lay = T::layout();
-  sm90::setmaxnreg_dec<T::kProducerRegs>();
+  if (seq.first) sm90::setmaxnreg_dec<T::kProducerRegs>();
   const int ct = int(threadIdx.x);
+  const int it0 = seq.it;
+  // Persistent: the consumers are done reading the previous work tile's Q.
+  if constexpr (T::kPersistent) mbar_wait(bars.q_empty(), (seq.k & 1) ^ 1);
   // Q: packed row r -> token r / G, head kv_head * G + r % G; zeros past the rows.
   for (int c = ct; c < kBlockM * kChunks; c += 128) {
     const int row = c / kChunks, col = c - row * kChunks;
@@ -210,8 +256,8 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   // kStages + 1 slots: the V copies of tile j read slot j while tile j + 1's K is already
   // issued, and only the barrier of tile j + 2's fill stands between them and slot j's reuse.
   auto fill_table = [&](int j) {
-    int64_t* const table =
-        reinterpret_cast<int64_t*>(smem + lay.table_offset) + (j % T::kTableSlots) * 2 * kBlockN;
+    int64_t* const table = reinterpret_cast<int64_t*>(smem + lay.table_offset) +
+                           ((it0 + j) % T::kTableSlots) * 2 * kBlockN;
     if (ct < kBlockN) {
       const int pos = min(w.kv_begin + j * kBlockN + ct, w.kv_end - 1);
       int64_t k_off, v_off;
@@ -223,7 +269,7 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
     return table;
   };
   if constexpr (T::kv == KVKind::kFp8) {
-    produce_fp8<T>(p, smem, bars, n_tiles, k_head, v_head, fill_table);
+    produce_fp8<T>(p, smem, bars, n_tiles, it0, k_head, v_head, fill_table);
     return;
   }
   // Every chunk of the tile's rows (16 B each) into the swizzled panels of `dst`; `pick` 0
@@ -256,19 +302,19 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   // P_{j-1} V_{j-1}. K_{j+1} needs only S_{j-1} done; waiting first for V_j's slot (P V_{j-2}
   // done) held it back a whole iteration, and ncu showed the consumers spinning on K's `full`.
   auto copy_k = [&](int j) {
-    const int s = j % kStages;
+    const int s = (it0 + j) % kStages;
     const int64_t* const table = fill_table(j);
-    mbar_wait(bars.k_empty(s), ((j / kStages) & 1) ^ 1);  // tile j - kStages released
+    mbar_wait(bars.k_empty(s), (((it0 + j) / kStages) & 1) ^ 1);  // tile j - kStages released
     copy_tile(smem + lay.stage_offset + s * lay.stage_bytes, k_head, table, 0);
     ptx::cp_async_mbarrier_arrive_noinc(bars.k_full(s));
   };
   if (n_tiles > 0) copy_k(0);
   for (int j = 0; j < n_tiles; ++j) {
     if (j + 1 < n_tiles) copy_k(j + 1);
-    const int s = j % kStages;
-    const int64_t* const table =
-        reinterpret_cast<int64_t*>(smem + lay.table_offset) + (j % T::kTableSlots) * 2 * kBlockN;
-    mbar_wait(bars.v_empty(s), ((j / kStages) & 1) ^ 1);
+    const int s = (it0 + j) % kStages;
+    const int64_t* const table = reinterpret_cast<int64_t*>(smem + lay.table_offset) +
+                                 ((it0 + j) % T::kTableSlots) * 2 * kBlockN;
+    mbar_wait(bars.v_empty(s), (((it0 + j) / kStages) & 1) ^ 1);
     copy_tile(smem + lay.stage_offset + s * lay.stage_bytes + T::kPanels * lay.kv_panel, v_head,
               table, 1);
     ptx::cp_async_mbarrier_arrive_noinc(bars.v_full(s));
@@ -278,13 +324,14 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
 
 template <class T, bool kFeatures>
 __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Work& w,
-                                        unsigned char* smem, Barriers<T::kStages> bars,
-                                        int n_tiles) {
+                                        unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
+                                        TileSeq seq) {
   constexpr int D = T::head_size, kBlockN = T::kBlockN;
   constexpr int kStages = T::kStages, kNt = D / 8, kSn = kBlockN / 8;
   constexpr bool kBF16 = T::act == DType::kBF16;
   constexpr Sm90Layout lay = T::layout();
-  sm90::setmaxnreg_inc<T::kConsumerRegs>();
+  if (seq.first) sm90::setmaxnreg_inc<T::kConsumerRegs>();
+  const int it0 = seq.it;
   const int wg = int(threadIdx.x) / 128, ct = int(threadIdx.x) % 128;
   const int cw = wg - 1;  // consumer warpgroup: rows 64 cw .. 64 cw + 63
   const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
@@ -302,7 +349,8 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
 
   const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset) + wg_row0 * 128;
   const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
-  auto parity = [](int j) { return uint32_t((j / kStages) & 1); };
+  auto parity = [&](int j) { return uint32_t(((it0 + j) / kStages) & 1); };
+  auto stage = [&](int j) { return (it0 + j) % kStages; };
   // Turn-taking of the consumers (T::kPingpong): named barrier 2 + c is warpgroup c's turn;
   // each takes its turn once per tile (computed or skipped, so the counts always pair up),
   // issues, and hands the turn to the next warpgroup in a ring. Warpgroup 0 holds the first.
@@ -354,7 +402,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   // A tile this warpgroup's rows cannot see: released once landed (the other warpgroup may
   // need it; the producer refills a stage only when both have released it).
   auto skip = [&](int j) {
-    const int s = j % kStages;
+    const int s = stage(j);
     mbar_wait(bars.k_full(s), parity(j));
     turn_begin();
     turn_end();
@@ -368,13 +416,13 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
     j_lo = (span.lo - w.kv_begin) / kBlockN;
     j_hi = min(n_tiles, ceil_div(span.hi - w.kv_begin, kBlockN));
   }
-  mbar_wait(bars.q_full(), 0);
+  mbar_wait(bars.q_full(), uint32_t(seq.k & 1));
   for (int j = 0; j < j_lo; ++j) skip(j);
   if (j_lo < j_hi) {
     // Straight-line wgmma groups, no flags: ptxas serialises the wgmmas (C7514 / C7518) when
     // a group's issue or wait sits under a condition it cannot prove warpgroup-uniform.
     {
-      const int s = j_lo % kStages;
+      const int s = stage(j_lo);
       mbar_wait(bars.k_full(s), parity(j_lo));
       ptx::fence_proxy_async(ptx::space_shared);
       float sacc[kSn][4], corr[2];
@@ -388,7 +436,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
       pack(sacc);
     }
     for (int j = j_lo + 1; j < j_hi; ++j) {
-      const int s = j % kStages, prev = (j - 1) % kStages;
+      const int s = stage(j), prev = stage(j - 1);
       mbar_wait(bars.k_full(s), parity(j));
       mbar_wait(bars.v_full(prev), parity(j - 1));
       ptx::fence_proxy_async(ptx::space_shared);
@@ -407,7 +455,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
       rescale_o(o, corr);
       pack(sacc);
     }
-    const int last = (j_hi - 1) % kStages;
+    const int last = stage(j_hi - 1);
     mbar_wait(bars.v_full(last), parity(j_hi - 1));
     ptx::fence_proxy_async(ptx::space_shared);
     issue_pv(last);
@@ -416,12 +464,22 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
     ptx::mbarrier_arrive(bars.v_empty(last));
   }
   for (int j = j_hi; j < n_tiles; ++j) skip(j);
+  // Persistent: every wgmma reading Q has been waited for; the producer may load the next one
+  // while these rows are stored.
+  if constexpr (T::kPersistent) ptx::mbarrier_arrive(bars.q_empty());
   store_rows<T::act>(p, w, o, m, l, row_a, t4);
 }
 
 template <class T>
 void PrefillSm90Ops<T>::launch(const DecodeParams& p, cudaStream_t stream) {
-  if (p.softcap > 0.0f || p.alibi_slopes != nullptr) {
+  const bool features = p.softcap > 0.0f || p.alibi_slopes != nullptr;
+  if constexpr (T::kPersistent) {
+    if (features) {
+      PrefillHost<T>::template launch_persistent<prefill_sm90_kernel<T, true>>(p, stream);
+    } else {
+      PrefillHost<T>::template launch_persistent<prefill_sm90_kernel<T, false>>(p, stream);
+    }
+  } else if (features) {
     PrefillHost<T>::template launch<prefill_sm90_kernel<T, true>>(p, stream);
   } else {
     PrefillHost<T>::template launch<prefill_sm90_kernel<T, false>>(p, stream);
