@@ -7,8 +7,11 @@ CUDA events over CUDA-graph replays, rotating among enough K buffers to exceed L
 Peers: `sdpa` = torch.nn.functional.scaled_dot_product_attention on the absorbed form (K
 expanded to every head as a view; torch picks its backend, none of the fused ones takes head
 size 576, so this is mostly the math path); `bmm` = two batched matmuls and a softmax in fp32
-(what an eager absorbed implementation does). Bytes and FLOPs are counted as bench_mla counts
-them (latent bytes once; 2 * rows * seq_len * (576 + 512)), so the figures compare directly.
+(what an eager absorbed implementation does); `sdpa_expanded` = SDPA on the non-absorbed form, K
+[heads, seq, 192] and V [heads, seq, 128] per head already expanded through kv_b_proj (what a
+PyTorch user without weight absorption runs; the expansion itself is not timed). Bytes and FLOPs
+are counted as bench_mla counts them (latent bytes once; 2 * rows * seq_len * (576 + 512)), so
+the times compare directly.
 """
 import argparse
 import json
@@ -17,6 +20,7 @@ import math
 import torch
 
 ENTRY, LATENT = 576, 512
+QK_HEAD, V_HEAD = 192, 128  # DeepSeek-V3's expanded head sizes (128 nope + 64 rope, 128)
 
 
 def time_graph(fn, repeats=15):
@@ -63,6 +67,14 @@ def point(batch, ctx, heads, q_len, l2):
             torch.nn.functional.scaled_dot_product_attention(
                 q, kk, kk[..., :LATENT], attn_mask=mask, scale=scale)
 
+    # The expanded form: one buffer (it is heads x 320 / 576 times the latent bytes).
+    q_x = torch.randn(batch, heads, q_len, QK_HEAD, device="cuda", dtype=torch.bfloat16)
+    k_x = torch.randn(batch, heads, seq, QK_HEAD, device="cuda", dtype=torch.bfloat16)
+    v_x = torch.randn(batch, heads, seq, V_HEAD, device="cuda", dtype=torch.bfloat16)
+
+    def sdpa_expanded():
+        torch.nn.functional.scaled_dot_product_attention(q_x, k_x, v_x, attn_mask=mask, scale=scale)
+
     def bmm():
         for k in ks:
             s = torch.matmul(q.view(batch, heads * q_len, ENTRY), k[:, 0].transpose(1, 2)).float()
@@ -74,9 +86,10 @@ def point(batch, ctx, heads, q_len, l2):
             torch.matmul(p, k[:, 0, :, :LATENT])
 
     out = {"batch": batch, "context": ctx, "num_heads": heads, "q_len": q_len}
-    for name, fn in (("sdpa", sdpa), ("bmm", bmm)):
+    for name, fn, per in (("sdpa", sdpa, rot), ("bmm", bmm, rot),
+                          ("sdpa_expanded", sdpa_expanded, 1)):
         try:
-            ms = time_graph(fn) / rot
+            ms = time_graph(fn) / per
             out[name] = {"us": ms * 1e3, "gbps": kv_bytes / (ms * 1e-3) / 1e9,
                          "tflops": flops / (ms * 1e-3) / 1e12}
         except RuntimeError as e:  # out of memory or no kernel: say so, keep going
@@ -100,7 +113,7 @@ def main():
         r = point(b, c, h, ql, l2)
         res.append(r)
         line = f"b{b} ctx{c} h{h} q{ql}"
-        for name in ("sdpa", "bmm"):
+        for name in ("sdpa", "bmm", "sdpa_expanded"):
             x = r[name]
             line += (f"  {name} {x['us']:.1f} us {x['gbps']:.0f} GB/s {x['tflops']:.1f} TF/s"
                      if "us" in x else f"  {name} error: {x['error'][:60]}")
