@@ -227,6 +227,18 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
   constexpr int kRowsPerPass = 128 / kLanes;
   static_assert(kPer * kLanes == kRowChunks && kBlockN % kRowsPerPass == 0);
   const int lane_col = ct % kLanes, lane_row = ct / kLanes;
+  // This thread's copies of a tile whose rows `table` holds: chunk k of pass i lands at
+  // dst + k * chunk_step + i * pass_step (the swizzled panels, or the fp8 natural order).
+  auto copy_rows = [&](const int64_t* table, uint32_t dst, int chunk_step, int pass_step) {
+#pragma unroll
+    for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+      const char* const src = cache + row_bytes(table[lane_row + kRowsPerPass * i]) + lane_col * 16;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        sm80::cp_async_16(dst + k * chunk_step + i * pass_step, src + k * kLanes * 16, 16, 0);
+      }
+    }
+  };
 
   int64_t next_off = lookup(0);
   if constexpr (!kFp8) {
@@ -261,17 +273,7 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
         }
         continue;
       }
-      const uint32_t dst0 = sm80::smem_addr(stage) + chunk_at;
-#pragma unroll
-      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
-        const char* const src =
-            cache + row_bytes(table[lane_row + kRowsPerPass * i]) + lane_col * 16;
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) {
-          sm80::cp_async_16(dst0 + k * lay.kv_panel + i * kRowsPerPass * 128, src + k * kLanes * 16,
-                            16, 0);
-        }
-      }
+      copy_rows(table, sm80::smem_addr(stage) + chunk_at, lay.kv_panel, kRowsPerPass * 128);
       ptx::cp_async_mbarrier_arrive_noinc(bars.full(s));
     }
     sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
@@ -283,16 +285,7 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
       next_off = lookup(j + 1);
       const uint32_t raw = sm80::smem_addr(smem + lay.raw_offset + (j & 1) * lay.raw_bytes) +
                            lane_row * kEntry + lane_col * 16;
-#pragma unroll
-      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
-        const char* const src =
-            cache + row_bytes(table[lane_row + kRowsPerPass * i]) + lane_col * 16;
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) {
-          sm80::cp_async_16(raw + i * kRowsPerPass * kEntry + k * kLanes * 16,
-                            src + k * kLanes * 16, 16, 0);
-        }
-      }
+      copy_rows(table, raw, kLanes * 16, kRowsPerPass * kEntry);
       sm80::cp_async_commit();
     };
     if (n_tiles > 0) issue(0);
