@@ -44,6 +44,9 @@ PREFILL = DECODE_MMA
 # (widened by the producer; d256 has no shared memory left for the fp8 staging buffer).
 PREFILL_SM90 = [(a, kv, d) for a in ["f16", "bf16"] for kv in ["same", "fp8"]
                 for d in [64, 80, 96, 128, 192, 256] if not (kv == "fp8" and d == 256)]
+# prefill, Hopper, fp8 products (query_quant over an e4m3 cache): QK^T and P V as e4m3 wgmma
+# (k steps of 32 bytes: head sizes that are multiples of 32 within one 128-byte panel).
+PREFILL_SM90_FP8 = [(a, d) for a in ["f16", "bf16"] for d in [64, 96, 128]]
 # MLA decode (sm_90a wgmma): 16-bit activations over a latent cache of the same type or fp8
 # e4m3, one latent head of 576, S per warpgroup whole ("") or split between the two ("split_s",
 # experimental); its own split combine (576 columns) per activation.
@@ -117,6 +120,12 @@ def family_files():
             f"PrefillSm90Ops<Sm90Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {d}>>")
         inc.append(f"#if PAGEDATTN_CUDA_HEAD_SIZE_{d}\n"
                    f"PAGEDATTN_PREFILL_SM90_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {d})\n#endif\n")
+    for a, d in PREFILL_SM90_FP8:
+        files[CUDA / "prefill" / "inst" / f"prefill_sm90_fp8math_{a}_d{d}.cu"] = instance_file(
+            "prefill", "sm90_kernel.cuh",
+            f"PrefillSm90Ops<Sm90Traits<DType::{DTYPE[a]}, KVKind::kFp8, {d}, true>>")
+        inc.append(f"#if PAGEDATTN_CUDA_HEAD_SIZE_{d}\n"
+                   f"PAGEDATTN_PREFILL_SM90_FP8_INSTANCE({DTYPE[a]}, {d})\n#endif\n")
     files[CUDA / "prefill" / "inst" / "instances.inc"] = "".join(inc)
 
     inc = [HEADER]

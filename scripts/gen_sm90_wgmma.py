@@ -56,6 +56,31 @@ def body():
                 f'          "n"(kTransB));\n'
                 f"  }}\n"
                 f"}};\n")
+    # fp8 (e4m3 x e4m3, k32): no transpose operands (both K-major), so no kTransB.
+    for n in NS:
+        regs, ops = accum(n)
+        k = n // 2
+        out.append(
+            f"template <> struct WgmmaE4M3<{n}> {{\n"
+            f"  __device__ __forceinline__ static void ss(float (&d)[{n // 8}][4], uint64_t a, "
+            f"uint64_t b, int accumulate) {{\n"
+            f"    asm volatile(\n"
+            f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 2}, 0;\\n"\n'
+            f'        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{regs}}}, %{k}, '
+            f'%{k + 1}, p, 1, 1;\\n}}\\n"\n'
+            f"        : {ops}\n"
+            f'        : "l"(a), "l"(b), "r"(accumulate));\n'
+            f"  }}\n"
+            f"  __device__ __forceinline__ static void rs(float (&d)[{n // 8}][4], "
+            f"const uint32_t (&a)[4], uint64_t b, int accumulate) {{\n"
+            f"    asm volatile(\n"
+            f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 5}, 0;\\n"\n'
+            f'        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{regs}}}, '
+            f'{{%{k}, %{k + 1}, %{k + 2}, %{k + 3}}}, %{k + 4}, p, 1, 1;\\n}}\\n"\n'
+            f"        : {ops}\n"
+            f'        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));\n'
+            f"  }}\n"
+            f"}};\n")
     return "".join(out)
 
 

@@ -28,6 +28,7 @@ struct Shape {
   int batch = 1, context = 0, q_len = 4096;  // context: cached tokens before the chunk
   int num_heads = 32, num_kv_heads = 8, head_size = 128, block_size = 16;
   KVCacheDType kv = KVCacheDType::kAuto;
+  bool query_quant = false;  // fp8 query (and fp8 products where compiled)
 };
 
 std::string label(const Shape& s) {
@@ -69,6 +70,7 @@ json run_point(const Backend& backend, const Shape& s, bool quick, std::mt19937&
   c.dtype = DType::kBF16;
   c.kv_cache_dtype = s.kv;
   c.block_size = s.block_size;
+  c.query_quant = s.query_quant;
   json r = {{"label", label(s)},
             {"group", s.group},
             {"batch", s.batch},
@@ -78,6 +80,7 @@ json run_point(const Backend& backend, const Shape& s, bool quick, std::mt19937&
             {"num_kv_heads", s.num_kv_heads},
             {"head_size", s.head_size},
             {"kv_cache_dtype", std::string(to_string(s.kv))},
+            {"query_quant", s.query_quant},
             {"flops", flops(s)}};
   const Device dev = Device::cuda(0);
   const auto reasons = backend.check({c, dev});
@@ -118,7 +121,7 @@ json run_point(const Backend& backend, const Shape& s, bool quick, std::mt19937&
     ForwardArgs f;
     f.query = query.view();
     f.kv_cache = cache.view();
-    f.scales = {1.0f, 1.0f};
+    f.scales = {1.0f, 1.0f, 0.02f};  // q_scale: random queries span about +-4
     f.metadata = &md;
     f.output = out.view();
     f.plan = plan.get();
@@ -187,6 +190,19 @@ std::vector<Shape> shapes(bool quick) {
     s.q_len = n;
     s.batch = std::max(1, 16384 / n);
     v.push_back(s);
+  }
+  // fp8 products: the query quantised, QK^T and P V in e4m3 (issue 5's fp8 compute path).
+  for (int d : {128, 64}) {
+    for (int n : quick ? std::vector<int>{8192} : std::vector<int>{4096, 8192, 16384}) {
+      Shape s;
+      s.group = "causal-d" + std::to_string(d) + "-fp8-qquant";
+      s.kv = KVCacheDType::kFp8E4M3;
+      s.query_quant = true;
+      s.head_size = d;
+      s.q_len = n;
+      s.batch = std::max(1, 16384 / n);
+      v.push_back(s);
+    }
   }
   // Chunked prefill with few heads per GPU (tensor parallel 4: 8 query heads, 1 KV head).
   for (int ctx : quick ? std::vector<int>{16384} : std::vector<int>{8192, 16384, 32768}) {

@@ -9,11 +9,13 @@ against sequence length per group, and prints a table with the ratios to each pe
 import argparse
 import datetime
 import json
+import re
 
 
 def key(r):
     d = r.get("head_size", r.get("d"))
-    return (r["group"].replace("-fp8", ""), r["batch"], r["context"], r["q_len"], d)
+    # fp8 points (fp8 KV, and fp8 products with a quantised query) pair with the peers' bf16 run
+    return (re.sub(r"-fp8(-qquant)?$", "", r["group"]), r["batch"], r["context"], r["q_len"], d)
 
 
 def main():

@@ -11,6 +11,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 BO="$B/tests/backend_ops test --device cuda --backend cuda"
 timeout 150 $B/tests/pagedattn_cuda_tests > $O/cuda_tests.log 2>&1; t "cuda_tests rc=$?"
 grep -E "^\[  (PASSED|FAILED)|^\[  FAILED|tests ran" $O/cuda_tests.log | head -20
+# query_quant: fp8 products on the Hopper kernel (d64/96/128), the 16-bit kernels elsewhere and
+# with PAGEDATTN_CUDA_FP8_MATH=off, the auto route, and memcheck over the fp8-product kernel.
+PAGEDATTN_CUDA_PREFILL=all timeout 60 $BO --filter qquant > $O/bo_qq_all.log 2>&1; t "bo qquant prefill=all rc=$?"; grep -E "^backend|FAIL" $O/bo_qq_all.log | head -12
+PAGEDATTN_CUDA_PREFILL=all PAGEDATTN_CUDA_FP8_MATH=off timeout 60 $BO --filter qquant > $O/bo_qq_off.log 2>&1; t "bo qquant fp8 math off rc=$?"; grep -E "^backend|FAIL" $O/bo_qq_off.log | head -6
+timeout 60 $BO --filter qquant > $O/bo_qq_auto.log 2>&1; t "bo qquant auto rc=$?"; grep -E "^backend|FAIL" $O/bo_qq_auto.log | head -6
+PAGEDATTN_CUDA_PREFILL=all timeout 90 compute-sanitizer --tool memcheck --error-exitcode 99 $BO --filter qquant > $O/san_qq.log 2>&1; t "san qquant rc=$?"; tail -2 $O/san_qq.log
 PAGEDATTN_CUDA_PREFILL=all timeout 150 $BO > $O/bo_all.log 2>&1; t "bo prefill=all rc=$?"; grep -E "^backend|FAIL" $O/bo_all.log | head -12
 timeout 60 $BO --filter mla > $O/bo_mla.log 2>&1; t "bo mla rc=$?"; grep -E "^backend|FAIL" $O/bo_mla.log | head -6
 PAGEDATTN_CUDA_SPLITS=5 timeout 60 $BO --filter mla > $O/bo_mla5.log 2>&1; t "bo mla splits5 rc=$?"; grep -E "^backend|FAIL" $O/bo_mla5.log | head -6

@@ -141,7 +141,8 @@ struct CaseSpec {
   std::optional<float> logits_soft_cap;               ///< tanh cap
   bool alibi = false;                                 ///< random positive slopes
   bool sinks = false;                                 ///< random sink logits
-  KVScales scales;                                    ///< fp8 k_scale / v_scale
+  KVScales scales;                                    ///< fp8 k_scale / v_scale (/ q_scale)
+  bool query_quant = false;                           ///< fp8 e4m3 query (needs an e4m3 cache)
   std::vector<CaseRequest> requests{{0, 7}, {21, 1}, {5, 12}};  ///< the step's requests
   int pad_tokens = 0;    ///< query rows past num_actual_tokens (slot -1)
   int spare_blocks = 2;  ///< cache blocks no request uses (block 0, the null block, is extra)

@@ -59,6 +59,11 @@ struct AttentionConfig {
   KVCacheDType kv_cache_dtype = KVCacheDType::kAuto;
   KVCacheLayout kv_cache_layout = KVCacheLayout::kNHD;
   int block_size = 16;  ///< tokens per cache block
+  /// The seed's query_quant: the query is quantised per tensor to fp8 e4m3 with
+  /// ForwardArgs::scales.q_scale (q8 = saturate_e4m3(q * (1 / q_scale)), spec 1.6) and the
+  /// result is attention(q8 * q_scale, K, V). A backend may then also run P V in fp8 (P rounded
+  /// to e4m3). Needs an fp8 / fp8_e4m3 cache.
+  bool query_quant = false;
 
   int num_queries_per_kv() const { return num_kv_heads > 0 ? num_heads / num_kv_heads : 0; }
   DType cache_dtype() const { return kv_cache_storage_dtype(kv_cache_dtype, dtype); }

@@ -70,7 +70,8 @@ class ForwardContext {
   void register_layer(Attention* layer);  // throws on duplicate names
   void unregister_layer(Attention* layer);
 
-  using PlanKey = std::tuple<int, const Backend*, int, int, int, int, int>;
+  // (group, backend, heads, KV heads, head size, window, type, query_quant)
+  using PlanKey = std::tuple<int, const Backend*, int, int, int, int, int, bool>;
   int pipeline_parallel_size_;
   std::vector<std::pair<std::string, Attention*>> layers_;
   bool in_step_ = false;

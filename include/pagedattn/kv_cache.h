@@ -37,6 +37,8 @@ struct KVCacheView {
 struct KVScales {
   float k_scale = 1.0f;
   float v_scale = 1.0f;
+  /// AttentionConfig::query_quant only: the query's per-tensor fp8 scale (q8 = e4m3(q / q_scale)).
+  float q_scale = 1.0f;
 };
 
 /// An owning cache: one storage of num_blocks pages, viewed in the requested layout.

@@ -44,6 +44,9 @@ struct AttentionOptions {
   /// The checkpoint carries k/v/q scales (vLLM's quant_config with a KV-cache method); they
   /// start at -1 ("absent") until load_kv_scales().
   bool has_checkpoint_kv_scales = false;
+  /// The seed's query_quant (AttentionConfig::query_quant): quantise the query to fp8 e4m3 with
+  /// q_scale() and let the backend compute in fp8. Needs an fp8 / fp8_e4m3 cache.
+  bool quantize_query = false;
 };
 
 /// Scales from one batch (vLLM's calc_kv_scales): q = max|q| / 200, k = max|k| / 200,

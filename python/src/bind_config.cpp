@@ -135,6 +135,7 @@ void bind_config(nb::module_& m) {
             c.kv_cache_layout = parse_kv_cache_layout(s);
           })
       .def_rw("block_size", &AttentionConfig::block_size)
+      .def_rw("query_quant", &AttentionConfig::query_quant)
       .def_prop_ro("num_queries_per_kv", &AttentionConfig::num_queries_per_kv)
       .def_prop_ro(
           "cache_dtype",

@@ -51,7 +51,7 @@ void make_attention(PyAttention* self, PyForwardContext& context, int num_heads,
                     const std::string& attn_type,
                     std::optional<std::string> kv_sharing_target_layer_name,
                     std::optional<std::string> attn_backend, nb::handle sinks, nb::handle dtype,
-                    nb::handle device, bool has_checkpoint_kv_scales) {
+                    nb::handle device, bool has_checkpoint_kv_scales, bool quantize_query) {
   AttentionOptions o;
   o.num_heads = num_heads;
   o.head_size = head_size;
@@ -69,6 +69,7 @@ void make_attention(PyAttention* self, PyForwardContext& context, int num_heads,
   o.dtype = parse_dtype(dtype);
   o.device = parse_device(device);
   o.has_checkpoint_kv_scales = has_checkpoint_kv_scales;
+  o.quantize_query = quantize_query;
   new (self) PyAttention(context.ctx, o);
 }
 
@@ -249,7 +250,8 @@ void bind_layer(nb::module_& m) {
            nb::arg("kv_sharing_target_layer_name").none() = nb::none(),
            nb::arg("attn_backend").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
            nb::arg("dtype") = "bfloat16", nb::arg("device") = "cpu",
-           nb::arg("has_checkpoint_kv_scales") = false, nb::keep_alive<1, 2>(),
+           nb::arg("has_checkpoint_kv_scales") = false, nb::arg("quantize_query") = false,
+           nb::keep_alive<1, 2>(),
            "Resolves window and cache settings, validates, selects a backend (explaining any "
            "refusal) and registers under prefix in context.")
       .def_prop_ro("name", [](const PyAttention& a) { return a.layer.name(); })

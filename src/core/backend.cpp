@@ -137,6 +137,10 @@ void check_forward_args(const AttentionConfig& cfg, const ForwardArgs& a, bool c
     require(a.lse.device == device, "lse is on ", to_string(a.lse.device), "; expected ",
             to_string(device));
   }
+  if (cfg.query_quant) {
+    require(std::isfinite(a.scales.q_scale) && a.scales.q_scale > 0.0f, "scales.q_scale (",
+            a.scales.q_scale, ") must be finite and > 0: query_quant divides the query by it");
+  }
   CacheGeometry geometry;
   if (uses_kv_cache(cfg.attn_type)) {
     require_cache(cfg, a.kv_cache, device);

@@ -163,6 +163,18 @@ void read_config(const SafeTensors& f, Case& c) {
     }
     if (cap > 0.0) cfg.logits_soft_cap = float(cap);
   }
+  if (const std::string* raw = f.find_metadata("query_quant"); !is_unset(raw)) {
+    const int on = parse_int("query_quant", *raw);
+    if (on != 0 && on != 1) bad("metadata query_quant (", *raw, ") must be 0 or 1");
+    cfg.query_quant = on == 1;
+  }
+  if (cfg.query_quant) {
+    const std::string* raw = f.find_metadata("q_scale");
+    c.scales.q_scale = is_unset(raw) ? 1.0f : float(parse_number("q_scale", *raw));
+    if (!(std::isfinite(c.scales.q_scale) && c.scales.q_scale > 0.0f)) {
+      bad("metadata q_scale (", *raw, ") must be finite and > 0 for query_quant");
+    }
+  }
 }
 
 const Tensor& required_tensor(const SafeTensors& f, std::string_view name, std::string_view why) {
@@ -419,6 +431,10 @@ SafeTensors case_to_safetensors(const Case& c) {
   m["v_scale"] = num(c.scales.v_scale);
   if (cfg.sliding_window) m["sliding_window"] = std::to_string(*cfg.sliding_window);
   if (cfg.logits_soft_cap) m["logits_soft_cap"] = num(*cfg.logits_soft_cap);
+  if (cfg.query_quant) {
+    m["query_quant"] = "1";
+    m["q_scale"] = num(c.scales.q_scale);
+  }
   return f;
 }
 

@@ -67,6 +67,7 @@ Case make_random_case(const CaseSpec& spec) {
   cfg.dtype = spec.dtype;
   cfg.kv_cache_dtype = spec.kv_cache_dtype;
   cfg.block_size = spec.block_size;
+  cfg.query_quant = spec.query_quant;
   c.scales = spec.scales;
   std::mt19937_64 rng(spec.seed);
   if (spec.alibi) {

@@ -118,6 +118,10 @@ void AttentionConfig::validate() const {
   require(is_activation_dtype(dtype), "dtype (", dtype_name(dtype),
           ") must be float32, float16 or bfloat16");
   require(block_size > 0, "block_size (", block_size, ") must be > 0");
+  require(!query_quant || kv_cache_dtype == KVCacheDType::kFp8 ||
+              kv_cache_dtype == KVCacheDType::kFp8E4M3,
+          "query_quant quantises the query to fp8 e4m3 for an fp8 e4m3 cache; kv_cache_dtype is ",
+          to_string(kv_cache_dtype), " (needs fp8 or fp8_e4m3)");
 }
 
 std::vector<float> alibi_slopes(int total_num_heads) {

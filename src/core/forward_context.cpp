@@ -101,7 +101,8 @@ const Plan& ForwardContext::plan(int group, const Backend& backend, const Attent
                     config.num_kv_heads,
                     config.head_size,
                     config.sliding_window.value_or(0),
-                    int(config.attn_type)};
+                    int(config.attn_type),
+                    config.query_quant};
   auto it = plans_.find(key);
   if (it == plans_.end()) {
     const AttentionMetadata* md = metadata(group);

@@ -32,6 +32,7 @@ AttentionConfig make_config(const AttentionOptions& o) {
   c.kv_cache_dtype = cache.cache_dtype;
   c.kv_cache_layout = cache.layout;
   c.block_size = cache.block_size;
+  c.query_quant = o.quantize_query;
   return c;
 }
 
@@ -300,6 +301,7 @@ void Attention::forward(const TensorView& query_in, const TensorView& key_in,
   f.kv_cache = cache;
   // The cache holds values stored with its owner's scales (a KV-sharing consumer reads them).
   f.scales = cache_owner().kv_scales();
+  f.scales.q_scale = q_scale_;  // the query is this layer's own
   f.metadata = md;
   f.output = output;
   f.lse = lse;

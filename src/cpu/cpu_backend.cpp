@@ -183,6 +183,11 @@ class CpuBackend final : public Backend {
       reasons.push_back(
           detail::cat("head_size ", d, " is not a multiple of 16 up to ", kMaxHeadSize));
     }
+    if (q.config.query_quant) {
+      reasons.push_back(
+          "query_quant (an fp8 query) is computed by the cuda and ref backends; the cpu backend "
+          "reads 16-bit queries only");
+    }
     return reasons;
   }
   std::unique_ptr<AttentionImpl> make_impl(const AttentionConfig& config, Device) const override {

@@ -1,6 +1,7 @@
 // Reference attention (spec section 4 and appendix A). Per request, per KV head: gather the
 // keys and values, then for every query head of the group and every query token compute the
 // masked, capped, biased softmax over them in float64.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -35,6 +36,26 @@ float round_to(DType dtype, float x) {
   }
 }
 
+// P rounded the way a fast kernel rounds it before the P*V product: to e4m3 when the query is
+// quantised (the fp8 products take P in e4m3, unscaled: it lies in [0, 1]).
+float round_p(const AttentionConfig& cfg, float p) {
+  return cfg.query_quant ? fp8_e4m3_to_float(float_to_fp8_e4m3(p)) : round_to(cfg.dtype, p);
+}
+
+// Keeps the `bits` most significant bits of x's significand, dropping the rest (toward zero).
+double truncate_significand(double x, int bits) {
+  if (x == 0.0 || !std::isfinite(x)) return x;
+  int e = 0;
+  const double m = std::frexp(x, &e);  // x = m * 2^e, |m| in [0.5, 1)
+  return std::ldexp(std::trunc(std::ldexp(m, bits)), e - bits);
+}
+
+// query_quant (spec 1.6): q8 = saturate_e4m3(q * (1 / q_scale)) in float, dequantised exactly.
+double quantised_query(double q, float q_scale) {
+  const float q8 = fp8_e4m3_to_float(float_to_fp8_e4m3(float(q) * (1.0f / q_scale)));
+  return double(q8) * double(q_scale);
+}
+
 // Keys and values of one KV head of one request, dequantised: [len][head_size].
 struct HeadKV {
   int64_t len = 0;
@@ -43,6 +64,22 @@ struct HeadKV {
   double key(int64_t j, int d) const { return k[size_t(j * head_size + d)]; }
   double val(int64_t j, int d) const { return v[size_t(j * head_size + d)]; }
 };
+
+// q.k the way fp8 tensor-core products accumulate it (query_quant): the e4m3 x e4m3 products
+// are exact, but Hopper's fp8 MMA keeps only about 14 significant bits of the running sum
+// (DeepSeek-V3 technical report, 3.3.2; the H200 shows errors of that size: docs/testing.md).
+// Modelled one bit coarser, as truncation to 13 bits after each k step of 32 products.
+float fp8_mma_dot(const std::vector<double>& q, const HeadKV& kv, int64_t j) {
+  constexpr int kStep = 32, kBits = 13;
+  double acc = 0;
+  for (int d0 = 0; d0 < kv.head_size; d0 += kStep) {
+    double part = 0;
+    for (int d = d0; d < std::min(d0 + kStep, kv.head_size); ++d)
+      part += q[size_t(d)] * kv.key(j, d);
+    acc = truncate_significand(acc + part, kBits);
+  }
+  return float(acc);
+}
 
 // Keys 0..len-1 of request r from the paged cache: logical position j lives in physical block
 // block_table[r][j / block_size] at offset j % block_size. fp8 reads are stored * scale.
@@ -147,7 +184,11 @@ RowResult attend_low_precision(const AttentionConfig& cfg, const std::vector<dou
   for (int64_t j = 0; j < kv.len; ++j) {
     if (!visible(cfg, j, pos)) continue;
     float dot = 0;
-    for (int d = 0; d < cfg.head_size; ++d) dot += float(q[size_t(d)]) * float(kv.key(j, d));
+    if (cfg.query_quant) {
+      dot = fp8_mma_dot(q, kv, j);
+    } else {
+      for (int d = 0; d < cfg.head_size; ++d) dot += float(q[size_t(d)]) * float(kv.key(j, d));
+    }
     logits[size_t(j)] = logit_of<float>(cfg, dot, h, j, pos);
     m = std::max(m, logits[size_t(j)]);
   }
@@ -159,7 +200,7 @@ RowResult attend_low_precision(const AttentionConfig& cfg, const std::vector<dou
     if (logits[size_t(j)] == kNegInfF) continue;
     const float p = std::exp(logits[size_t(j)] - m);
     den += p;
-    const float p_low = round_to(cfg.dtype, p);
+    const float p_low = round_p(cfg, p);
     for (int d = 0; d < cfg.head_size; ++d) acc[size_t(d)] += p_low * float(kv.val(j, d));
   }
   for (int d = 0; d < cfg.head_size; ++d) res.out[size_t(d)] = acc[size_t(d)] / den;
@@ -186,7 +227,10 @@ void attention(const AttentionConfig& cfg, const ForwardArgs& a, Precision preci
       for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
         for (int64_t i = 0; i < q_len; ++i) {
           const int64_t t = q_begin + i;
-          for (int d = 0; d < cfg.head_size; ++d) q[size_t(d)] = at(a.query, t, h, d);
+          for (int d = 0; d < cfg.head_size; ++d) {
+            q[size_t(d)] = cfg.query_quant ? quantised_query(at(a.query, t, h, d), a.scales.q_scale)
+                                           : at(a.query, t, h, d);
+          }
           const RowResult row = precision == Precision::kFloat64
                                     ? attend_exact(cfg, q, kv, h, context_len + i)
                                     : attend_low_precision(cfg, q, kv, h, context_len + i);

@@ -33,6 +33,7 @@ std::string describe(const OpCase& k) {
   if (c.logits_soft_cap) os << " softcap=" << *c.logits_soft_cap;
   if (c.has_alibi()) os << " alibi";
   if (c.has_sinks()) os << " sinks";
+  if (c.query_quant) os << " query_quant";
   return os.str();
 }
 
@@ -52,6 +53,9 @@ class Matrix {
       k.k_scale = 0.75f;
       k.v_scale = 1.5f;
     }
+    // An fp8 query: q / q_scale spans e4m3's range (|q| up to ~5 sigma -> ~250 of 448), the
+    // rare largest saturate.
+    if (c.query_quant) k.q_scale = 0.02f * input_std;
     k.seed = seed_base_ + uint32_t(cases_.size());
     k.name = tag + ": " + describe(k);
     cases_.push_back(std::move(k));
@@ -261,6 +265,43 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
     c.dtype = DType::kF32;
     c.scale = 0.01f;  // nearly flat
     m.add("scale", c, mixed_batch());
+  }
+  // query_quant: the query quantised to fp8 e4m3 (and, on the Hopper prefill kernel, QK^T and
+  // P V as fp8 products). Head sizes with and without an fp8 product kernel, both 16-bit
+  // activations, long rows (prefill kernels) beside decode rows, several KV tiles and splits,
+  // the features and block sizes of the tensor-map and gather paths.
+  {
+    AttentionConfig c = base;
+    c.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+    c.query_quant = true;
+    const std::vector<RequestShape> long_batch = {{0, 300}, {700, 150}, {45, 1}, {0, 0}, {20, 3}};
+    for (int d : {64, 80, 96, 128, 256}) {
+      for (DType dt : {DType::kBF16, DType::kF16}) {
+        c.head_size = d;
+        c.dtype = dt;
+        c.scale = 0;
+        m.add("qquant", c, long_batch, 1);
+      }
+    }
+    c.dtype = DType::kBF16;
+    c.head_size = 128;
+    c.scale = 0;
+    m.add("qquant", c, mixed_batch(), 2);
+    c.kv_cache_dtype = KVCacheDType::kFp8;  // "fp8" is e4m3
+    c.block_size = 64;
+    c.num_kv_heads = 1;
+    m.add("qquant", c, {{1500, 300}, {0, 129}});
+    c.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+    c.block_size = 16;
+    c.num_kv_heads = 2;
+    c.sliding_window = 100;
+    c.sinks = {1, 2, 3, 4, 0, -1, -2, 5};
+    m.add("qquant", c, long_batch);
+    c.sliding_window.reset();
+    c.sinks.clear();
+    c.logits_soft_cap = 20.0f;
+    c.alibi_slopes = alibi_slopes(c.num_heads);
+    m.add("qquant", c, long_batch);
   }
   return m.take();
 }

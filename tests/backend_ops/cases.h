@@ -27,6 +27,7 @@ struct OpCase {
   std::vector<RequestShape> requests;
   int pad_tokens = 0;  ///< extra query rows with slot -1 (CUDA-graph padding)
   float k_scale = 1.0f, v_scale = 1.0f;
+  float q_scale = 1.0f;    ///< config.query_quant only
   float input_std = 1.0f;  ///< standard deviation of the random inputs
   /// One cache entry serves as key and value (MLAAttention's latent binding): the value rows
   /// are the key rows, v_scale = k_scale, and kv_cache.value is the same view as .key.

@@ -142,7 +142,7 @@ KVCacheView cache_view_of(const Tensor& storage, KVCacheLayout layout, bool late
 RunOutputs run_on(const Backend& backend, const OpCase& k, CaseData& data, const Tensor& cache0,
                   DType out_dtype, DType lse_dtype, Device device, int repeats) {
   const AttentionConfig& c = k.config;
-  const KVScales scales{k.k_scale, k.v_scale};
+  const KVScales scales{k.k_scale, k.v_scale, k.q_scale};
   auto impl = backend.make_impl(c, device);
   StepMetadata& step = data.step;
   const AttentionMetadata md = step.to_device(device);

@@ -57,6 +57,8 @@ void expect_same_case(const Case& a, const Case& b) {
   EXPECT_EQ(x.block_size, y.block_size);
   EXPECT_EQ(a.scales.k_scale, b.scales.k_scale);
   EXPECT_EQ(a.scales.v_scale, b.scales.v_scale);
+  EXPECT_EQ(x.query_quant, y.query_quant);
+  if (x.query_quant) EXPECT_EQ(a.scales.q_scale, b.scales.q_scale);
   EXPECT_TRUE(same_tensor(a.query, b.query));
   EXPECT_TRUE(same_tensor(a.key, b.key));
   EXPECT_TRUE(same_tensor(a.value, b.value));
@@ -168,6 +170,11 @@ std::vector<Feature> features() {
   s.scales = {1.0f, 0.25f};
   s.dtype = DType::kF16;
   add("fp8_e5m2_scaled", s);
+  s.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+  s.scales = {0.5f, 0.25f, 0.015f};
+  s.query_quant = true;
+  add("fp8_query_quant", s);
+  s.query_quant = false;
   s = spec_with({{20, 1}, {30, 9}, {0, 12}});
   s.sliding_window = 5;
   add("sliding_window", s);

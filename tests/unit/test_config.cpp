@@ -87,6 +87,18 @@ TEST(ConfigValidation, BlockSizePositive) {
   EXPECT_FIELD_ERROR(c.block_size = 0, "block_size (0) must be > 0");
 }
 
+TEST(ConfigValidation, QueryQuantNeedsAnE4M3Cache) {
+  EXPECT_FIELD_ERROR(c.query_quant = true,
+                     "query_quant quantises the query to fp8 e4m3 for an fp8 e4m3 cache; "
+                     "kv_cache_dtype is auto");
+  EXPECT_FIELD_ERROR((c.query_quant = true, c.kv_cache_dtype = KVCacheDType::kFp8E5M2),
+                     "kv_cache_dtype is fp8_e5m2 (needs fp8 or fp8_e4m3)");
+  AttentionConfig ok = valid_config();
+  ok.query_quant = true;
+  ok.kv_cache_dtype = KVCacheDType::kFp8;
+  EXPECT_NO_THROW(ok.validate());
+}
+
 TEST(ConfigNames, CacheDtypes) {
   EXPECT_EQ(parse_kv_cache_dtype("auto"), KVCacheDType::kAuto);
   EXPECT_EQ(parse_kv_cache_dtype("bfloat16"), KVCacheDType::kBFloat16);

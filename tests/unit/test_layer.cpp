@@ -284,6 +284,57 @@ TEST(KVSharing, ConsumerReadsWithTheOwnersFp8Scales) {
   for (int i = 0; i < 3 * 32; ++i) EXPECT_EQ(a.data_as<float>()[i], b.data_as<float>()[i]) << i;
 }
 
+// quantize_query (the seed's query_quant): the layer hands its own q_scale to the backend,
+// which attends with e4m3(q / q_scale) * q_scale; the cpu backend refuses it with a reason.
+TEST(AttentionLayer, QuantizeQueryAttendsWithTheQuantisedQuery) {
+  ForwardContext ctx;
+  AttentionOptions o = options("model.layers.0.attn");
+  o.cache_config->cache_dtype = KVCacheDType::kFp8E4M3;
+  o.has_checkpoint_kv_scales = true;
+  o.quantize_query = true;
+  o.attn_backend = "ref";
+  Attention quant(ctx, o);
+  EXPECT_TRUE(quant.config().query_quant);
+  const auto verdicts = default_registry().explain(BackendQuery{quant.config(), Device::cpu()});
+  for (const auto& v : verdicts) {
+    if (v.name == "cpu") {
+      ASSERT_FALSE(v.reasons.empty());
+      EXPECT_NE(v.reasons.front().find("query_quant"), std::string::npos) << v.reasons.front();
+    }
+  }
+  o.prefix = "model.layers.1.attn";
+  o.quantize_query = false;
+  Attention plain(ctx, o);
+  const float q_scale = 0.0125f;
+  for (Attention* a : {&quant, &plain}) a->load_kv_scales(q_scale, 0.25f, 0.5f);
+  KVCache c0 = KVCache::allocate(quant.config(), 4), c1 = KVCache::allocate(plain.config(), 4);
+  quant.bind_kv_cache({c0.view()});
+  plain.bind_kv_cache({c1.view()});
+  StepMetadata s = MetadataBuilder(4).add({0, 3, {2}}).build();
+  AttentionMetadata md = s.view();
+  const auto q = random_values(3 * 32, 21), k = random_values(3 * 16, 22),
+             v = random_values(3 * 16, 23);
+  std::vector<float> q8(q.size());
+  for (size_t i = 0; i < q.size(); ++i) {
+    q8[i] = fp8_e4m3_to_float(float_to_fp8_e4m3(q[i] * (1.0f / q_scale))) * q_scale;
+  }
+  auto view = [](const std::vector<float>& x, int64_t cols) {
+    return TensorView::contiguous(const_cast<float*>(x.data()), DType::kF32, {3, cols});
+  };
+  ctx.begin_step({&md});
+  Tensor a = quant.forward(view(q, 32), view(k, 16), view(v, 16));
+  Tensor b = plain.forward(view(q8, 32), view(k, 16), view(v, 16));
+  Tensor unquantised = plain.forward(view(q, 32), view(k, 16), view(v, 16));
+  ctx.end_step();
+  double differs = 0;
+  for (int i = 0; i < 3 * 32; ++i) {
+    EXPECT_NEAR(a.data_as<float>()[i], b.data_as<float>()[i], 1e-6) << i;
+    differs = std::max(differs,
+                       double(std::fabs(a.data_as<float>()[i] - unquantised.data_as<float>()[i])));
+  }
+  EXPECT_GT(differs, 1e-4);  // the quantisation is visible
+}
+
 TEST_F(LayerForward, BadQueryShapeNamesTheArgument) {
   ctx_.begin_step({&md_});
   std::vector<float> bad(8 * 30);

@@ -206,6 +206,42 @@ TEST_F(RefGolden, Fp8CacheStoresScaledSaturatedValues) {
   EXPECT_FLOAT_EQ(fp8_e4m3_to_float(kb[0]) * 2.0f, 896.0f);
 }
 
+// query_quant: q8 = e4m3(q / q_scale) and attention uses q8 * q_scale. With q_scale 0.01,
+// q = 1.03 -> 103 -> e4m3 104 (steps of 8 in [64, 128)) -> 1.04, and q = 5 -> 500 -> saturated
+// 448 -> 4.48. Keys {0, 1}, values {0, 1}: out = e^q' / (1 + e^q').
+TEST_F(RefGolden, QueryQuantUsesTheSaturatedE4M3Query) {
+  AttentionConfig c = tiny_config();
+  c.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+  c.query_quant = true;
+  StepInputs in;
+  in.context_key = {0};
+  in.context_value = {0};
+  in.key = {1};
+  in.value = {1};
+  const KVScales scales{1.0f, 1.0f, 0.01f};
+  auto expect_out = [](double q) { return std::exp(q) / (1 + std::exp(q)); };
+  for (const auto& [q, q_used] : {std::pair{1.03f, 1.04}, {5.0f, 4.48}, {-5.0f, -4.48}}) {
+    in.query = {q};
+    const auto out = run_step(*ref_, c, {{1, 1, {0}}}, in, 1, scales);
+    EXPECT_NEAR(out.output[0], expect_out(q_used), 1e-6) << "q = " << q;
+  }
+  // The low-precision twin models the fp8 products: q.k keeps 13 significant bits (1.04 =
+  // 0.52 * 2: trunc(0.52 * 2^13) = 4259 -> 4259 / 2^12 = 1.039794921875), and P is rounded to
+  // e4m3 (not its sum): with values {1, 0}, P = {e^-1.0398, 1} relative to the max, and
+  // e^-1.0398 = 0.3535 -> e4m3 0.34375 (steps of 1/32 in [0.25, 0.5)).
+  in.query = {1.03f};
+  in.context_value = {1};
+  in.value = {0};
+  const auto lowp = ref::make_backend(ref::Precision::kLowPrecision);
+  const auto low = run_step(*lowp, c, {{1, 1, {0}}}, in, 1, scales);
+  EXPECT_NEAR(low.output[0], 0.34375 / (1.0 + std::exp(-1.039794921875)), 1e-6);
+  in.context_value = {0};
+  in.value = {1};
+  c.query_quant = false;
+  const auto plain = run_step(*ref_, c, {{1, 1, {0}}}, in, 1, scales);
+  EXPECT_NEAR(plain.output[0], expect_out(1.03), 1e-6);
+}
+
 // A padded token (slot -1) writes nothing; a zero-length request produces no rows.
 TEST_F(RefGolden, PaddedSlotAndZeroLengthRequestTouchNothing) {
   AttentionConfig c = tiny_config();

@@ -140,6 +140,8 @@ class Attention(torch.nn.Module):
     Arguments are vLLM's (``quant_config`` is replaced by ``has_checkpoint_kv_scales`` and
     :meth:`load_kv_scales`); ``dtype`` is the activation dtype (default: torch's default
     dtype) and ``device`` the device backends are selected for (default: cuda when available).
+    ``quantize_query`` is vLLM's ``query_quant``: with an fp8 e4m3 cache the query is quantised
+    to e4m3 with the layer's ``q_scale`` and the cuda backend computes in fp8.
     A layer whose ``num_heads`` is not a multiple of ``num_kv_heads`` raises
     :class:`pagedattn.InvalidArgument` (vLLM asserts).
     """
@@ -163,6 +165,7 @@ class Attention(torch.nn.Module):
         dtype: Optional[torch.dtype] = None,
         device: Any = None,
         has_checkpoint_kv_scales: bool = False,
+        quantize_query: bool = False,
         context: Optional[ForwardContext] = None,
     ) -> None:
         super().__init__()
@@ -173,7 +176,7 @@ class Attention(torch.nn.Module):
             self._context.native, num_heads, head_size, float(scale), num_kv_heads,
             _floats(alibi_slopes), cache_config, logits_soft_cap, per_layer_sliding_window,
             prefix, attn_type, kv_sharing_target_layer_name, attn_backend, _floats(sinks),
-            str(dtype), device, has_checkpoint_kv_scales)
+            str(dtype), device, has_checkpoint_kv_scales, quantize_query)
         config = self.native.config
         self.layer_name = prefix
         self.num_heads, self.head_size = config.num_heads, config.head_size

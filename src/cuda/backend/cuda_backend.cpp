@@ -76,6 +76,11 @@ BackendOptions backend_options_from_env() {
             "') must be auto, tma or cp.async");
     o.mla_copy = v == "tma" ? MlaCopy::kTma : v == "cp.async" ? MlaCopy::kCpAsync : MlaCopy::kAuto;
   }
+  if (const char* s = std::getenv(kFp8MathEnvVar); s && *s) {
+    const std::string v(s);
+    require(v == "on" || v == "off", kFp8MathEnvVar, " ('", v, "') must be on or off");
+    o.fp8_math = v == "on";
+  }
   return o;
 }
 
@@ -131,6 +136,10 @@ class CudaBackend final : public Backend {
     }
     if (is_mla_shape(c)) {
       for (std::string& r : mla_reasons(c)) reasons.push_back(std::move(r));
+      if (c.query_quant) {
+        reasons.push_back(
+            "query_quant is not implemented by the MLA latent kernel (head size 576)");
+      }
       return reasons;
     }
     if (decode::find_decode(c.dtype, cache, c.head_size) == nullptr) {
@@ -184,7 +193,8 @@ class CudaBackend final : public Backend {
           options_.prefill == PrefillRoute::kOff
               ? nullptr
               : prefill::find_prefill(config.dtype, cache, config.head_size,
-                                      device_props(device).cc_major, options_.portable_prefill);
+                                      device_props(device).cc_major, options_.portable_prefill,
+                                      config.query_quant && options_.fp8_math);
       const int route = pk == nullptr                            ? -1
                         : options_.prefill == PrefillRoute::kAll ? 0
                                                                  : prefill::kDecodeMaxRows;
@@ -195,6 +205,7 @@ class CudaBackend final : public Backend {
       plan->num_splits = options_.num_splits;
       plan->workspace = split_workspace_bytes(plan->num_splits, md.num_actual_tokens,
                                               config.num_heads, config.head_size);
+      reserve_query_quant(*plan, config);
     }
     return plan;
   }

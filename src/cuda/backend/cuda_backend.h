@@ -32,6 +32,10 @@ inline constexpr const char* kMlaEnvVar = "PAGEDATTN_CUDA_MLA";
 /// as fast as cp.async there, and 6% slower at block size 16, where a tile takes 36 boxes from
 /// one thread), tma (also at block sizes that are multiples of 16) or cp.async (row gathers).
 inline constexpr const char* kMlaCopyEnvVar = "PAGEDATTN_CUDA_MLA_COPY";
+/// Environment variable for layers with query_quant over an e4m3 cache: on (default: the Hopper
+/// prefill kernel runs QK^T and P V as fp8 wgmma where compiled) or off (the 16-bit kernel
+/// reads the quantised query; comparisons).
+inline constexpr const char* kFp8MathEnvVar = "PAGEDATTN_CUDA_FP8_MATH";
 
 /// How the MLA kernel copies full tiles (kMlaCopyEnvVar).
 enum class MlaCopy : uint8_t { kAuto, kTma, kCpAsync };
@@ -62,6 +66,7 @@ struct BackendOptions {
   DecodeCopy decode_copy = DecodeCopy::kAuto;  ///< how decode brings K/V rows into smem
   bool mla_split_s = true;                     ///< the MLA variant (kMlaEnvVar)
   MlaCopy mla_copy = MlaCopy::kAuto;           ///< the MLA kernel's tile copies (kMlaCopyEnvVar)
+  bool fp8_math = true;                        ///< query_quant: fp8 products (kFp8MathEnvVar)
 };
 
 /// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS, PAGEDATTN_CUDA_PREFILL,

@@ -10,6 +10,7 @@
 #include "cuda/common/device_props.h"
 #include "cuda/common/tensor_map.h"
 #include "cuda/decode/config.h"
+#include "cuda/quant/launch.h"
 #include "pagedattn/error.h"
 
 namespace pagedattn::cuda {
@@ -99,8 +100,12 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
   decode_ = decode::find_decode(config.dtype, cache_dtype_, config.head_size);
   combine_ = decode::find_combine(config.dtype);
   if (route_ != PrefillRoute::kOff) {
+    // A quantised query over an e4m3 cache takes the fp8-product Hopper kernel where one is
+    // compiled (and not turned off); otherwise the 16-bit kernels read the quantised query.
+    const bool fp8_math = config.query_quant && options.fp8_math;
     prefill_ = prefill::find_prefill(config.dtype, cache_dtype_, config.head_size,
-                                     device_props(device.index).cc_major, options.portable_prefill);
+                                     device_props(device.index).cc_major, options.portable_prefill,
+                                     fp8_math);
   }
   require<NotSupported>(decode_ != nullptr && combine_ != nullptr,
                         "cuda backend: no attention kernel compiled for ", dtype_name(config.dtype),
@@ -201,11 +206,38 @@ void CudaImpl::forward(const ForwardArgs& a) {
     return;
   }
 
+  const auto* plan = dynamic_cast<const CudaPlan*>(a.plan);
   decode::DecodeParams p{};
   p.q = a.query.data;
   p.q_stride_token = a.query.stride(0);
   p.q_stride_head = a.query.stride(1);
   p.vec_q = vec8(a.query);
+  if (cfg.query_quant) {
+    // q8 into the plan's workspace; every kernel then reads it as the query, with q_scale in
+    // the softmax scale.
+    require(plan != nullptr && plan->q_bytes > 0 && plan->num_actual_tokens == md.num_actual_tokens,
+            "query_quant needs the backend's plan for this step (the quantised query lives in "
+            "its workspace)");
+    require(a.workspace.data != nullptr && a.workspace.bytes >= plan->workspace_bytes(),
+            "workspace has ", a.workspace.bytes, " bytes; the plan needs ", plan->workspace_bytes(),
+            " (query_quant)");
+    require(aligned(a.workspace.data, 256), "workspace must be 256-byte aligned");
+    quant::QueryQuantParams qq{};
+    qq.q = a.query.data;
+    qq.q_stride_token = a.query.stride(0);
+    qq.q_stride_head = a.query.stride(1);
+    qq.out = static_cast<char*>(a.workspace.data) + plan->q_offset;
+    qq.num_tokens = md.num_actual_tokens;
+    qq.num_heads = cfg.num_heads;
+    qq.head_size = cfg.head_size;
+    qq.dtype = int(cfg.dtype);
+    qq.inv_scale = 1.0f / a.scales.q_scale;
+    quant::launch_query_quant(qq, stream);
+    p.q = qq.out;
+    p.q_stride_token = int64_t(cfg.num_heads) * cfg.head_size;
+    p.q_stride_head = cfg.head_size;
+    p.vec_q = cfg.head_size % 8 == 0;
+  }
   p.out = a.output.data;
   p.out_stride_token = a.output.stride(0);
   p.out_stride_head = a.output.stride(1);
@@ -258,7 +290,8 @@ void CudaImpl::forward(const ForwardArgs& a) {
   p.num_actual_tokens = md.num_actual_tokens;
 
   const bool fp8 = cached && is_fp8(cfg.kv_cache_dtype);
-  const float scale = cfg.scale * (fp8 ? a.scales.k_scale : 1.0f);
+  const float scale =
+      cfg.scale * (fp8 ? a.scales.k_scale : 1.0f) * (cfg.query_quant ? a.scales.q_scale : 1.0f);
   p.scale_log2 = scale * kLog2e;
   if (cfg.logits_soft_cap && *cfg.logits_soft_cap > 0.0f) {
     p.softcap = *cfg.logits_soft_cap;
@@ -273,7 +306,6 @@ void CudaImpl::forward(const ForwardArgs& a) {
   p.window_right = cfg.attn_type == AttentionType::kEncoderOnly && p.window > 0;
 
   // Splits come from the plan; without one (or without a workspace) the launch is unsplit.
-  const auto* plan = dynamic_cast<const CudaPlan*>(a.plan);
   p.num_splits = 1;
   if (plan != nullptr && plan->num_splits > 1) {
     require(plan->num_actual_tokens == md.num_actual_tokens && plan->num_heads == cfg.num_heads &&

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "cuda/decode/config.h"
+#include "pagedattn/dtype.h"
 #include "pagedattn/error.h"
 
 namespace pagedattn::cuda {
@@ -54,6 +55,14 @@ size_t split_workspace_bytes(int num_splits, int num_actual_tokens, int num_head
                   sizeof(float));
 }
 
+void reserve_query_quant(CudaPlan& plan, const AttentionConfig& config) {
+  if (!config.query_quant) return;
+  plan.q_offset = align256(plan.workspace);
+  plan.q_bytes = size_t(plan.num_actual_tokens) * size_t(config.num_heads) *
+                 size_t(config.head_size) * dtype_size(config.dtype);
+  plan.workspace = plan.q_offset + plan.q_bytes;
+}
+
 std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& md, const AttentionConfig& config,
                                     int num_sms, int ctas_per_sm, int route_rows,
                                     int prefill_block_m) {
@@ -64,6 +73,7 @@ std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& md, const Attention
   const TensorView& qsl = md.query_start_loc_cpu;
   const TensorView& sl = md.seq_lens_cpu;
   if (md.num_seqs <= 0 || md.num_actual_tokens <= 0 || !qsl.defined() || !sl.defined()) {
+    reserve_query_quant(*plan, config);
     return plan;
   }
   detail::require(qsl.device.is_cpu() && sl.device.is_cpu(),
@@ -90,6 +100,7 @@ std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& md, const Attention
   plan->num_splits = choose_num_splits(in);
   plan->workspace = split_workspace_bytes(plan->num_splits, md.num_actual_tokens, config.num_heads,
                                           config.head_size);
+  reserve_query_quant(*plan, config);
   return plan;
 }
 

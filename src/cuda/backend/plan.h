@@ -17,7 +17,10 @@ class CudaPlan final : public Plan {
   int num_splits = 1;         ///< grid.y of the attention kernel; > 1 adds the combine kernel
   int num_actual_tokens = 0;  ///< T_a the workspace is sized for
   int num_heads = 0, head_size = 0;
-  size_t workspace = 0;  ///< partial outputs and LSEs (0 when num_splits == 1)
+  size_t workspace = 0;  ///< partial outputs and LSEs (0 when num_splits == 1), then q8
+  /// config.query_quant: byte offset and size of the quantised query [T_a, num_heads,
+  /// head_size] (the activation dtype, contiguous) in the workspace; q_bytes 0 = none.
+  size_t q_offset = 0, q_bytes = 0;
   size_t workspace_bytes() const override { return workspace; }
 };
 
@@ -50,6 +53,10 @@ int choose_num_splits(const SplitInputs& in);
 size_t split_workspace_bytes(int num_splits, int num_actual_tokens, int num_heads, int head_size);
 /// Byte offset of the partial LSEs inside that workspace.
 size_t split_lse_offset(int num_splits, int num_actual_tokens, int num_heads, int head_size);
+
+/// Appends the quantised query's buffer to the plan's workspace when config.query_quant (call
+/// after the split partials are sized).
+void reserve_query_quant(CudaPlan& plan, const AttentionConfig& config);
 
 /// Builds the plan for `metadata` and `config` on a device with `num_sms` SMs holding
 /// `ctas_per_sm` CTAs of the kernel that will run (0 = unknown: no splitting).

@@ -116,6 +116,19 @@ __device__ __forceinline__ void store_from_float(void* base, int64_t i, float x)
   }
 }
 
+/// The two 16-bit values of a 32-bit register as floats (x = the low half), exactly.
+template <DType kDType>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  static_assert(kDType == DType::kF16 || kDType == DType::kBF16);
+  if constexpr (kDType == DType::kBF16) {
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+  } else {
+    __half2 h;
+    *reinterpret_cast<uint32_t*>(&h) = v;
+    return __half22float2(h);
+  }
+}
+
 /// Packs two floats into one 32-bit register of two 16-bit values (lo = first), rounding to
 /// nearest even: the operand layout of mma.sync.
 template <DType kDType>

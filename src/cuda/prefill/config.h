@@ -122,6 +122,22 @@ constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int st
   return s;
 }
 
+/// Shared memory of the Hopper kernel's fp8-product instances (Sm90Traits::kFp8Math): one
+/// 128-byte panel per operand row (head sizes up to 128 bytes of e4m3), V transposed.
+constexpr Sm90Layout sm90_fp8_layout(int block_m, int block_n, int stages, bool persistent) {
+  Sm90Layout s;
+  s.q_panel = block_m * 128;   // Q [kBlockM][head_size] e4m3
+  s.kv_panel = block_n * 128;  // K [kBlockN][head_size] e4m3; Vt [head_size][kBlockN] e4m3
+  s.q_offset = 0;
+  s.stage_offset = s.q_panel;
+  s.stage_bytes = 2 * s.kv_panel;
+  s.raw_offset = s.stage_offset + stages * s.stage_bytes;  // [2][kBlockN][128] raw V rows
+  s.table_offset = s.raw_offset + 2 * block_n * 128;
+  s.bar_offset = s.table_offset + (stages + 1) * block_n * 16;
+  s.total = s.bar_offset + (1 + 4 * stages + (persistent ? 1 : 0)) * 8 + 1024;
+  return s;
+}
+
 /// The Hopper (sm_90a) prefill kernel: a producer warpgroup gathers K/V rows with cp.async
 /// into a two-stage ring on mbarriers, two consumer warpgroups of 64 query rows run
 /// S = Q K^T (wgmma, both operands in smem) and O += P V (wgmma, P from registers). fp8 caches
@@ -129,18 +145,25 @@ constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int st
 /// type into the ring, so the consumers run the 16-bit products unchanged. Head sizes
 /// that are not whole panels (80, 96, 192) leave the last panel's tail unwritten: S's k-steps
 /// stop at head_size and P V's n extent is head_size, so neither reads it.
-template <DType kAct, KVKind kKV, int kHeadSize>
+/// kFp8MathT (query_quant over an e4m3 cache): Q narrowed to e4m3 (exactly: the query was
+/// quantised before the launch), K raw, V transposed by the producer, S = Q K^T and O += P V as
+/// e4m3 wgmma (k32) with P rounded to e4m3.
+template <DType kAct, KVKind kKV, int kHeadSize, bool kFp8MathT = false>
 struct Sm90Traits {
   static constexpr DType act = kAct;
   static constexpr KVKind kv = kKV;
   static constexpr int head_size = kHeadSize;
+  static constexpr bool kFp8Math = kFp8MathT;
+  static_assert(!kFp8Math || (kKV == KVKind::kFp8 && kHeadSize % 32 == 0 && kHeadSize <= 128),
+                "fp8 products: k steps of 32 within one 128-byte panel");
   static_assert(kAct == DType::kF16 || kAct == DType::kBF16);
   static_assert(kKV == KVKind::kSame || kKV == KVKind::kFp8);
   static constexpr int kKvBytes = kKV == KVKind::kSame ? 2 : 1;
   static_assert(kHeadSize % 16 == 0 && kHeadSize >= 64 && kHeadSize <= 256,
                 "wgmma k-steps of 16 and n <= 256");
-  static constexpr int kPanels = (kHeadSize + 63) / 64;  ///< 64-column panels of Q, K and V
-  static constexpr int kConsumers = 2;                   ///< consumer warpgroups of 64 rows
+  /// 128-byte panels of Q, K and V rows (64 16-bit columns; all 128 e4m3 columns)
+  static constexpr int kPanels = kFp8Math ? 1 : (kHeadSize + 63) / 64;
+  static constexpr int kConsumers = 2;  ///< consumer warpgroups of 64 rows
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kBlockM = 64 * kConsumers;
   /// Keys per stage: 128 (FA3's causal d128 tile), 64 above d128 where O takes 96-128
@@ -159,8 +182,10 @@ struct Sm90Traits {
   static constexpr int kConsumerRegs = PAGEDATTN_SM90_CONSUMER_REGS;
   static constexpr int kProducerRegs = (65536 - 128 * kConsumers * kConsumerRegs) / 128 / 8 * 8;
 #else
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  /// fp8 products: the producer's V transpose needs more than 40 (ptxas spilled 16 bytes
+  /// there), and the consumers hold P in half the registers: 128 x 56 + 256 x 224 = 64512.
+  static constexpr int kProducerRegs = kFp8Math ? 56 : 40;
+  static constexpr int kConsumerRegs = kFp8Math ? 224 : 232;
 #endif
   /// The consumers take turns to issue their wgmmas (FlashAttention-3's warp-scheduler
   /// barrier), so one's softmax runs while the other's products occupy the tensor cores
@@ -178,7 +203,8 @@ struct Sm90Traits {
   static constexpr bool kPersistent = false;
 #endif
   static constexpr Sm90Layout layout() {
-    return sm90_layout(kHeadSize, kBlockM, kBlockN, kStages, kKvBytes, kPersistent);
+    return kFp8Math ? sm90_fp8_layout(kBlockM, kBlockN, kStages, kPersistent)
+                    : sm90_layout(kHeadSize, kBlockM, kBlockN, kStages, kKvBytes, kPersistent);
   }
   static_assert(layout().total <= decode::kMaxSmemPerCta);
 };

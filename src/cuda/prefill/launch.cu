@@ -13,6 +13,7 @@ const std::vector<PrefillKernel>& prefill_kernels() {
    head_size,                                                      \
    80,                                                             \
    Traits<DType::act, KVKind::kv, head_size>::kBlockM,             \
+   false,                                                          \
    &PrefillOps<Traits<DType::act, KVKind::kv, head_size>>::launch, \
    &PrefillOps<Traits<DType::act, KVKind::kv, head_size>>::ctas_per_sm},
 #define PAGEDATTN_PREFILL_SM90_INSTANCE(act, kv, head_size)                \
@@ -21,23 +22,37 @@ const std::vector<PrefillKernel>& prefill_kernels() {
    head_size,                                                              \
    90,                                                                     \
    Sm90Traits<DType::act, KVKind::kv, head_size>::kBlockM,                 \
+   false,                                                                  \
    &PrefillSm90Ops<Sm90Traits<DType::act, KVKind::kv, head_size>>::launch, \
    &PrefillSm90Ops<Sm90Traits<DType::act, KVKind::kv, head_size>>::ctas_per_sm},
+#define PAGEDATTN_PREFILL_SM90_FP8_INSTANCE(act, head_size)                        \
+  {DType::act,                                                                     \
+   KVKind::kFp8,                                                                   \
+   head_size,                                                                      \
+   90,                                                                             \
+   Sm90Traits<DType::act, KVKind::kFp8, head_size, true>::kBlockM,                 \
+   true,                                                                           \
+   &PrefillSm90Ops<Sm90Traits<DType::act, KVKind::kFp8, head_size, true>>::launch, \
+   &PrefillSm90Ops<Sm90Traits<DType::act, KVKind::kFp8, head_size, true>>::ctas_per_sm},
 #include "cuda/prefill/inst/instances.inc"
 #undef PAGEDATTN_PREFILL_INSTANCE
 #undef PAGEDATTN_PREFILL_SM90_INSTANCE
+#undef PAGEDATTN_PREFILL_SM90_FP8_INSTANCE
   };
   return table;
 }
 
 const PrefillKernel* find_prefill(DType act, DType cache, int head_size, int cc_major,
-                                  bool portable) {
+                                  bool portable, bool fp8_math) {
   const KVKind kind = decode::kv_kind_for(act, cache);
+  const bool want_fp8 = fp8_math && cache == DType::kFp8E4M3;
   const PrefillKernel* found = nullptr;
+  auto rank = [&](const PrefillKernel& k) { return k.sm + (k.fp8_math ? 1 : 0); };
   for (const PrefillKernel& k : prefill_kernels()) {
     if (k.act != act || k.kv != kind || k.head_size != head_size) continue;
     if (k.sm == 90 && (portable || cc_major != 9)) continue;
-    if (found == nullptr || k.sm > found->sm) found = &k;
+    if (k.fp8_math && !want_fp8) continue;
+    if (found == nullptr || rank(k) > rank(*found)) found = &k;
   }
   return found;
 }

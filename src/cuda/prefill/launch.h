@@ -20,6 +20,9 @@ struct PrefillKernel {
   int head_size;
   int sm;       ///< 80: the portable mma.sync kernel; 90: the Hopper wgmma kernel (sm_90 only)
   int block_m;  ///< packed query rows per CTA: num_q_tiles = ceil(max_query_len * G / block_m)
+  /// fp8 products (sm 90, e4m3 cache, query_quant): Q narrowed to e4m3, QK^T and P V as fp8
+  /// wgmma with P in e4m3.
+  bool fp8_math;
   void (*launch)(const decode::DecodeParams& params, cudaStream_t stream);
   int (*ctas_per_sm)(int device);
 };
@@ -40,10 +43,11 @@ struct PrefillSm90Ops {
 const std::vector<PrefillKernel>& prefill_kernels();
 
 /// The compiled kernel for (act, cache, head_size) on a device of compute capability
-/// `cc_major`: the Hopper kernel on sm_90 when one is compiled and `portable` is false, else
-/// the portable one; nullptr when neither is (float32 activations, mixed 16-bit types and head
+/// `cc_major`: the Hopper kernel on sm_90 when one is compiled and `portable` is false (its
+/// fp8-product instance when `fp8_math`, the cache is e4m3 and one is compiled), else the
+/// portable one; nullptr when neither is (float32 activations, mixed 16-bit types and head
 /// sizes not compiled stay on the decode family's kernels).
 const PrefillKernel* find_prefill(DType act, DType cache, int head_size, int cc_major,
-                                  bool portable = false);
+                                  bool portable = false, bool fp8_math = false);
 
 }  // namespace pagedattn::cuda::prefill

@@ -63,10 +63,154 @@ struct TileSeq {
   bool first = true;
 };
 
+// fp8 products: the producer's loop. K rows land raw (e4m3) in the K panel by cp.async, as the
+// 16-bit kernel copies them. fp8 wgmma reads B only K-major, so V [keys][head dims] is staged
+// raw (cp.async into a swizzled buffer, two of them alternating) and transposed by the
+// producer into Vt [head dims][keys]: each thread turns a 4-key x 4-dim block of bytes
+// (four 32-bit reads) into four 32-bit words with byte permutes. Within each 16 keys the
+// transposed row holds keys in the order the consumers' P registers hold them (pack_p_e4m3):
+// position 4 t + e <- key 2 t + (e & 1) + 8 (e >> 1), so P needs no shuffle. Lanes split as
+// 8 (dims) x 4 (keys), and each rotates which of its four words it stores first, so the reads
+// and the stores both hit 32 distinct banks.
+template <class T, class FillTable>
+__device__ __forceinline__ void produce_fp8_math(unsigned char* smem, Barriers<T::kStages> bars,
+                                                 int n_tiles, int it0, const char* k_head,
+                                                 const char* v_head, FillTable& fill_table) {
+  constexpr int D = T::head_size, kBlockN = T::kBlockN, kStages = T::kStages;
+  constexpr int kChunks = D / 16;  // 16-byte chunks of a row's codes
+  constexpr int kLanes = kChunks <= 4 ? 4 : 8;
+  constexpr int kRowsPerPass = 128 / kLanes;
+  static_assert(kBlockN % kRowsPerPass == 0 && kBlockN % 16 == 0 && kBlockN <= 128);
+  constexpr Sm90Layout lay = T::layout();
+  const int ct = int(threadIdx.x);
+  const int col = ct % kLanes, r0 = ct / kLanes;
+  // Every chunk of the tile's rows into a 128-byte-swizzled [kBlockN][128] buffer.
+  auto copy_rows = [&](uint32_t dst0, const char* head, const int64_t* table, int pick) {
+    if (col >= kChunks) return;
+#pragma unroll 4
+    for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+      const int row = r0 + i * kRowsPerPass;
+      sm80::cp_async_16(dst0 + sm90::sw128_offset(row, col),
+                        head + table[2 * row + pick] + col * 16, 16, 0);
+    }
+  };
+  const int warp = ct >> 5, wl = ct & 7, t = (ct >> 3) & 3;
+  const int rot = (wl >> 1) & 3;
+  const uint32_t rot_sel = uint32_t(rot) | uint32_t((rot + 1) & 3) << 4 |
+                           uint32_t((rot + 2) & 3) << 8 | uint32_t((rot + 3) & 3) << 12;
+  constexpr int kDimGroups = D / 32;        // 8 words (32 dims) each
+  constexpr int kKeyGroups = kBlockN / 16;  // 16 keys each: one 16-byte chunk of a Vt row
+  auto transpose_v = [&](const unsigned char* raw, unsigned char* vt) {
+#pragma unroll 2
+    for (int j = warp; j < kDimGroups * kKeyGroups; j += 4) {
+      const int kg = j / kDimGroups;
+      const int w = 8 * (j - kg * kDimGroups) + wl;  // word: dims 4 w .. 4 w + 3
+      const int kb = 16 * kg + 2 * t;                // keys kb, kb + 1, kb + 8, kb + 9
+      uint32_t r[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = kb + (e & 1) + 8 * (e >> 1);
+        r[e] =
+            *reinterpret_cast<const uint32_t*>(raw + sm90::sw128_offset(key, w >> 2) + (w & 3) * 4);
+        r[e] = sm80::prmt(r[e], r[e], rot_sel);  // byte i <- dim (i + rot) & 3
+      }
+      const uint32_t lo01 = sm80::prmt(r[0], r[1], 0x5140), hi01 = sm80::prmt(r[0], r[1], 0x7362);
+      const uint32_t lo23 = sm80::prmt(r[2], r[3], 0x5140), hi23 = sm80::prmt(r[2], r[3], 0x7362);
+      const uint32_t out[4] = {sm80::prmt(lo01, lo23, 0x5410), sm80::prmt(lo01, lo23, 0x7632),
+                               sm80::prmt(hi01, hi23, 0x5410), sm80::prmt(hi01, hi23, 0x7632)};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int d = 4 * w + ((i + rot) & 3);
+        *reinterpret_cast<uint32_t*>(vt + sm90::sw128_offset(d, kg) + 4 * t) = out[i];
+      }
+    }
+  };
+  const uint32_t raw0 = sm80::smem_addr(smem + lay.raw_offset);
+  auto copy_k = [&](int j, const int64_t* table) {
+    const int s = (it0 + j) % kStages;
+    mbar_wait(bars.k_empty(s), (((it0 + j) / kStages) & 1) ^ 1);  // tile j - kStages released
+    copy_rows(sm80::smem_addr(smem + lay.stage_offset + s * lay.stage_bytes), k_head, table, 0);
+    ptx::cp_async_mbarrier_arrive_noinc(bars.k_full(s));
+  };
+  auto stage_v = [&](int j, const int64_t* table) {
+    copy_rows(raw0 + ((it0 + j) & 1) * kBlockN * 128, v_head, table, 1);
+  };
+  if (n_tiles > 0) {
+    const int64_t* const table = fill_table(0);
+    copy_k(0, table);
+    stage_v(0, table);
+  }
+  sm80::cp_async_commit();
+  for (int j = 0; j < n_tiles; ++j) {
+    // K and the staged V of tile j + 1 go out before tile j's V is transposed. The staging
+    // buffer stage_v overwrites was read two tiles ago: fill_table's barrier orders the two.
+    if (j + 1 < n_tiles) {
+      const int64_t* const table = fill_table(j + 1);
+      copy_k(j + 1, table);
+      stage_v(j + 1, table);
+    }
+    sm80::cp_async_commit();
+    sm80::cp_async_wait<1>();          // this thread's V_j rows landed
+    sm90::named_barrier_sync(1, 128);  // ... and every producer thread's
+    const int s = (it0 + j) % kStages;
+    mbar_wait(bars.v_empty(s), (((it0 + j) / kStages) & 1) ^ 1);
+    transpose_v(smem + lay.raw_offset + ((it0 + j) & 1) * kBlockN * 128,
+                smem + lay.stage_offset + s * lay.stage_bytes + lay.kv_panel);
+    ptx::fence_proxy_async(ptx::space_shared);  // generic stores, then the wgmmas read them
+    ptx::mbarrier_arrive(bars.v_full(s));
+  }
+  sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
+}
+
+// fp8 products: Q row `row`, 16 e4m3 codes of columns 16 col .. 16 col + 15 from the quantised
+// query (activation dtype, every value an e4m3 value: the narrowing is exact), zeros past the
+// rows, into the 128-byte-swizzled Q panel.
+template <DType kAct>
+__device__ __forceinline__ void copy_q_chunk_e4m3(const DecodeParams& p, const decode::Work& w,
+                                                  int row, int col, unsigned char* panel) {
+  uint4 codes = make_uint4(0, 0, 0, 0);
+  if (row < w.num_rows) {
+    const int pr = w.row0 + row;
+    const int head = w.kv_head * p.group + pr % p.group;
+    const uint4* src = reinterpret_cast<const uint4*>(
+        static_cast<const char*>(p.q) + ((int64_t(w.q_begin) + pr / p.group) * p.q_stride_token +
+                                         int64_t(head) * p.q_stride_head + col * 16) *
+                                            kElemBytes<kAct>);
+    const uint4 lo = src[0], hi = src[1];
+    const uint32_t in[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    uint32_t out[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 a = unpack2<kAct>(in[2 * k]), b = unpack2<kAct>(in[2 * k + 1]);
+      out[k] = uint32_t(__nv_cvt_float2_to_fp8x2(a, __NV_SATFINITE, __NV_E4M3)) |
+               uint32_t(__nv_cvt_float2_to_fp8x2(b, __NV_SATFINITE, __NV_E4M3)) << 16;
+    }
+    codes = make_uint4(out[0], out[1], out[2], out[3]);
+  }
+  *reinterpret_cast<uint4*>(panel + sm90::sw128_offset(row, col)) = codes;
+}
+
 template <class T>
 __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Work& w,
                                         unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
                                         TileSeq seq);
+
+// P (the accumulator layout of S, keys 8 i + 2 (lane % 4) + {0, 1} in s[i]) as the e4m3 A
+// operand of k step c (32 keys): register byte e of a[0] (row g) takes key position 4 t + e,
+// which the producer's Vt holds as key 2 t + (e & 1) + 8 (e >> 1) of the step's first 16
+// (produce_fp8_math), a[2] the same of its second 16; a[1], a[3] row g + 8. P is in [0, 1]:
+// e4m3 without a scale, as FlashAttention-3 rounds it.
+template <int kSn>
+__device__ __forceinline__ void pack_p_e4m3(const float (&s)[kSn][4], int c, uint32_t (&a)[4]) {
+  auto pack4 = [](float k0, float k1, float k8, float k9) {
+    return uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(k0, k1), __NV_SATFINITE, __NV_E4M3)) |
+           uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(k8, k9), __NV_SATFINITE, __NV_E4M3)) << 16;
+  };
+  a[0] = pack4(s[4 * c][0], s[4 * c][1], s[4 * c + 1][0], s[4 * c + 1][1]);
+  a[1] = pack4(s[4 * c][2], s[4 * c][3], s[4 * c + 1][2], s[4 * c + 1][3]);
+  a[2] = pack4(s[4 * c + 2][0], s[4 * c + 2][1], s[4 * c + 3][0], s[4 * c + 3][1]);
+  a[3] = pack4(s[4 * c + 2][2], s[4 * c + 2][3], s[4 * c + 3][2], s[4 * c + 3][3]);
+}
 template <class T, bool kFeatures>
 __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Work& w,
                                         unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
@@ -239,13 +383,23 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   // Persistent: the consumers are done reading the previous work tile's Q.
   if constexpr (T::kPersistent) mbar_wait(bars.q_empty(), (seq.k & 1) ^ 1);
   // Q: packed row r -> token r / G, head kv_head * G + r % G; zeros past the rows.
-  for (int c = ct; c < kBlockM * kChunks; c += 128) {
-    const int row = c / kChunks, col = c - row * kChunks;
-    copy_q_chunk<T::act>(
-        p, w, row, col,
-        smem + lay.q_offset + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7));
+  if constexpr (T::kFp8Math) {
+    constexpr int kQChunks = D / 16;
+    for (int c = ct; c < kBlockM * kQChunks; c += 128) {
+      const int row = c / kQChunks;
+      copy_q_chunk_e4m3<T::act>(p, w, row, c - row * kQChunks, smem + lay.q_offset);
+    }
+    ptx::fence_proxy_async(ptx::space_shared);  // generic stores, then the wgmmas read them
+    ptx::mbarrier_arrive(bars.q_full());
+  } else {
+    for (int c = ct; c < kBlockM * kChunks; c += 128) {
+      const int row = c / kChunks, col = c - row * kChunks;
+      copy_q_chunk<T::act>(
+          p, w, row, col,
+          smem + lay.q_offset + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7));
+    }
+    ptx::cp_async_mbarrier_arrive_noinc(bars.q_full());
   }
-  ptx::cp_async_mbarrier_arrive_noinc(bars.q_full());
 
   const KvRows kv(p, w, T::kKvBytes);
   const char* const k_head = kv.k_head;
@@ -268,7 +422,10 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
     sm90::named_barrier_sync(1, 128);
     return table;
   };
-  if constexpr (T::kv == KVKind::kFp8) {
+  if constexpr (T::kFp8Math) {
+    produce_fp8_math<T>(smem, bars, n_tiles, it0, k_head, v_head, fill_table);
+    return;
+  } else if constexpr (T::kv == KVKind::kFp8) {
     produce_fp8<T>(p, smem, bars, n_tiles, it0, k_head, v_head, fill_table);
     return;
   }
@@ -345,7 +502,9 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
 #pragma unroll
   for (int nt = 0; nt < kNt; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  uint32_t pa[kBlockN / 16][4];  // P of the previous tile, the A operand of its P V
+  // P of the previous tile, the A operand of its P V: k steps of 16 (16-bit) or 32 (e4m3) keys.
+  constexpr int kPk = T::kFp8Math ? 32 : 16;
+  uint32_t pa[kBlockN / kPk][4];
 
   const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset) + wg_row0 * 128;
   const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
@@ -363,30 +522,40 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   if constexpr (T::kPingpong) {
     if (cw == 0) sm90::named_barrier_arrive(2, 256);
   }
-  // S = Q K^T of the tile in stage s (K-major operands: 16 columns are +32 B in a panel).
+  // S = Q K^T of the tile in stage s (K-major operands: a k step of 16 16-bit or 32 e4m3
+  // columns is +32 B in a panel).
   auto issue_s = [&](float(&sacc)[kSn][4], int s) {
     const uint32_t k_base = stage0 + s * lay.stage_bytes;
     sm90::fence_operands(sacc);
     sm90::wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
+    for (int ks = 0; ks < D / kPk; ++ks) {
       const uint64_t da =
           sm90::sw128_desc(q_base + (ks >> 2) * lay.q_panel + (ks & 3) * 32, 16, 1024);
       const uint64_t db =
           sm90::sw128_desc(k_base + (ks >> 2) * lay.kv_panel + (ks & 3) * 32, 16, 1024);
-      sm90::Wgmma<kBlockN, kBF16>::template ss<0>(sacc, da, db, ks > 0);
+      if constexpr (T::kFp8Math) {
+        sm90::WgmmaE4M3<kBlockN>::ss(sacc, da, db, ks > 0);
+      } else {
+        sm90::Wgmma<kBlockN, kBF16>::template ss<0>(sacc, da, db, ks > 0);
+      }
     }
     sm90::wgmma_commit();
   };
-  // O += P V of the tile in stage s (V is MN-major: 16 keys are +2048 B, panels lbo apart).
+  // O += P V of the tile in stage s. 16-bit: V is MN-major (16 keys are +2048 B, panels lbo
+  // apart). e4m3: Vt is K-major (32 keys are +32 B of its rows).
   auto issue_pv = [&](int s) {
     const uint32_t v_base = stage0 + s * lay.stage_bytes + T::kPanels * lay.kv_panel;
     sm90::fence_operands(o);
     sm90::wgmma_fence();
 #pragma unroll
-    for (int c = 0; c < kBlockN / 16; ++c) {
-      const uint64_t dv = sm90::sw128_desc(v_base + c * 2048, lay.kv_panel, 1024);
-      sm90::Wgmma<D, kBF16>::template rs<1>(o, pa[c], dv, 1);
+    for (int c = 0; c < kBlockN / kPk; ++c) {
+      if constexpr (T::kFp8Math) {
+        sm90::WgmmaE4M3<D>::rs(o, pa[c], sm90::sw128_desc(v_base + c * 32, 16, 1024), 1);
+      } else {
+        const uint64_t dv = sm90::sw128_desc(v_base + c * 2048, lay.kv_panel, 1024);
+        sm90::Wgmma<D, kBF16>::template rs<1>(o, pa[c], dv, 1);
+      }
     }
     sm90::wgmma_commit();
   };
@@ -397,7 +566,13 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   };
   auto pack = [&](const float(&sacc)[kSn][4]) {
 #pragma unroll
-    for (int c = 0; c < kBlockN / 16; ++c) pack_p<T::act>(sacc, c, pa[c]);
+    for (int c = 0; c < kBlockN / kPk; ++c) {
+      if constexpr (T::kFp8Math) {
+        pack_p_e4m3(sacc, c, pa[c]);
+      } else {
+        pack_p<T::act>(sacc, c, pa[c]);
+      }
+    }
   };
   // A tile this warpgroup's rows cannot see: released once landed (the other warpgroup may
   // need it; the producer refills a stage only when both have released it).

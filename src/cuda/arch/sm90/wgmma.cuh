@@ -17,6 +17,11 @@ namespace pagedattn::cuda::sm90 {
 /// kTransB: 0 = B is K-major (contiguous along k), 1 = MN-major (contiguous along n).
 template <int N, bool kBF16>
 struct Wgmma;
+/// D (m64 x N, fp32) += A (m64 x k32) * B (k32 x N), both e4m3 and K-major (fp8 wgmma has no
+/// transposed operands). rs: A from registers, 4 bytes per register: a[0] = row 16 w + lane / 4,
+/// k 4 (lane % 4) + {0..3}; a[1] the same k of row + 8; a[2], a[3] the same at k + 16.
+template <int N>
+struct WgmmaE4M3;
 #include "cuda/arch/sm90/wgmma_ops.inc"
 
 /// Orders this thread's register writes (accumulators, A fragments) before the wgmmas that
