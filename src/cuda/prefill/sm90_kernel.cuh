@@ -28,6 +28,7 @@
 
 #include <cuda/ptx>
 
+#include "cuda/arch/sm80/shared.cuh"
 #include "cuda/arch/sm90/wgmma.cuh"
 #include "cuda/prefill/kernel.cuh"
 
@@ -100,28 +101,54 @@ __device__ __forceinline__ void produce_fp8_math(unsigned char* smem, Barriers<T
                            uint32_t((rot + 2) & 3) << 8 | uint32_t((rot + 3) & 3) << 12;
   constexpr int kDimGroups = D / 32;        // 8 words (32 dims) each
   constexpr int kKeyGroups = kBlockN / 16;  // 16 keys each: one 16-byte chunk of a Vt row
-  auto transpose_v = [&](const unsigned char* raw, unsigned char* vt) {
+  // Where 4 divides into dim groups (d64, d128) a warp keeps its dims over the key groups,
+  // so every address is a per-thread base plus a constant: ncu showed the producer issue-bound
+  // (consumers waiting on V's `full` for 20% of their samples) with the addresses recomputed.
+  constexpr bool kFixedDims = 4 % kDimGroups == 0;
+  constexpr int kDg = kFixedDims ? 4 / kDimGroups : 1;  // key-group step of a warp
+  const int dg0 = kFixedDims ? warp % kDimGroups : 0;
+  const int kg0 = kFixedDims && kDimGroups < 4 ? warp / kDimGroups : 0;
+  // Read offsets of keys kb + {0, 1, 8, 9} (kb = 16 kg + 2 t: a key's swizzle row is
+  // (2 t + e) & 7 whatever kg) and store offsets of dims 4 w + (i + rot) & 3 at chunk 0 (the
+  // key group's chunk is XORed in), both relative to key group 0.
+  auto offsets = [&](int w, uint32_t(&rd)[4], uint32_t(&st)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      rd[e] = sm90::sw128_offset(2 * t + (e & 1) + 8 * (e >> 1), w >> 2) + (w & 3) * 4;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st[i] = sm90::sw128_offset(4 * w + ((i + rot) & 3), 0) + 4 * t;
+  };
+  // One 4-key x 4-dim block of key group kg: byte i of each word <- dim (i + rot) & 3, then a
+  // 4 x 4 byte transpose.
+  auto one_block = [&](uint32_t raw, uint32_t vt, int kg, const uint32_t(&rd)[4],
+                       const uint32_t(&st)[4]) {
+    uint32_t r[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      r[e] = sm80::prmt(sm80::lds32(raw + kg * 16 * 128 + rd[e]), 0, rot_sel);
+    }
+    const uint32_t lo01 = sm80::prmt(r[0], r[1], 0x5140), hi01 = sm80::prmt(r[0], r[1], 0x7362);
+    const uint32_t lo23 = sm80::prmt(r[2], r[3], 0x5140), hi23 = sm80::prmt(r[2], r[3], 0x7362);
+    const uint32_t out[4] = {sm80::prmt(lo01, lo23, 0x5410), sm80::prmt(lo01, lo23, 0x7632),
+                             sm80::prmt(hi01, hi23, 0x5410), sm80::prmt(hi01, hi23, 0x7632)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sm80::sts32(vt + (st[i] ^ uint32_t(kg << 4)), out[i]);
+  };
+  uint32_t rd0[4], st0[4];
+  offsets(8 * dg0 + wl, rd0, st0);
+  auto transpose_v = [&](const unsigned char* raw_p, unsigned char* vt_p) {
+    const uint32_t raw = sm80::smem_addr(raw_p), vt = sm80::smem_addr(vt_p);
+    if constexpr (kFixedDims) {
+#pragma unroll
+      for (int i = 0; i < kKeyGroups / kDg; ++i) one_block(raw, vt, kg0 + i * kDg, rd0, st0);
+    } else {
 #pragma unroll 2
-    for (int j = warp; j < kDimGroups * kKeyGroups; j += 4) {
-      const int kg = j / kDimGroups;
-      const int w = 8 * (j - kg * kDimGroups) + wl;  // word: dims 4 w .. 4 w + 3
-      const int kb = 16 * kg + 2 * t;                // keys kb, kb + 1, kb + 8, kb + 9
-      uint32_t r[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = kb + (e & 1) + 8 * (e >> 1);
-        r[e] =
-            *reinterpret_cast<const uint32_t*>(raw + sm90::sw128_offset(key, w >> 2) + (w & 3) * 4);
-        r[e] = sm80::prmt(r[e], r[e], rot_sel);  // byte i <- dim (i + rot) & 3
-      }
-      const uint32_t lo01 = sm80::prmt(r[0], r[1], 0x5140), hi01 = sm80::prmt(r[0], r[1], 0x7362);
-      const uint32_t lo23 = sm80::prmt(r[2], r[3], 0x5140), hi23 = sm80::prmt(r[2], r[3], 0x7362);
-      const uint32_t out[4] = {sm80::prmt(lo01, lo23, 0x5410), sm80::prmt(lo01, lo23, 0x7632),
-                               sm80::prmt(hi01, hi23, 0x5410), sm80::prmt(hi01, hi23, 0x7632)};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int d = 4 * w + ((i + rot) & 3);
-        *reinterpret_cast<uint32_t*>(vt + sm90::sw128_offset(d, kg) + 4 * t) = out[i];
+      for (int j = warp; j < kDimGroups * kKeyGroups; j += 4) {
+        const int kg = j / kDimGroups;
+        uint32_t rd[4], st[4];
+        offsets(8 * (j - kg * kDimGroups) + wl, rd, st);
+        one_block(raw, vt, kg, rd, st);
       }
     }
   };

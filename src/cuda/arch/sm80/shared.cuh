@@ -1,0 +1,20 @@
+// Shared-memory loads and stores at shared-window addresses (sm80::smem_addr), each wrapped once:
+// a generic pointer into the runtime-aligned dynamic buffer compiles to LD / ST with an address
+// conversion, these to one LDS / STS.
+#pragma once
+
+#include <cstdint>
+
+namespace pagedattn::cuda::sm80 {
+
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+}  // namespace pagedattn::cuda::sm80
