@@ -236,3 +236,36 @@ def test_layer_calculates_kv_scales_on_first_batch() -> None:
     assert layer.q_scale == pytest.approx(np.abs(q).max() / 200)
     assert layer.k_scale == pytest.approx(np.abs(k).max() / 200)
     assert layer.v_scale == pytest.approx(np.abs(v).max() / 100)
+
+
+def test_quantize_query_attends_with_the_e4m3_query() -> None:
+    """quantize_query (vLLM's query_quant): the layer's q_scale quantises the query to e4m3; the
+    cpu backend refuses it, so the selector explains and takes the next backend (ref here)."""
+    rng = np.random.default_rng(6)
+    ctx = pa.ForwardContext()
+    opts = dict(num_kv_heads=2, dtype="float32", has_checkpoint_kv_scales=True,
+                cache_config=pa.CacheConfig(cache_dtype="fp8_e4m3"))
+    quant = pa.Attention(ctx, 4, 32, 32 ** -0.5, prefix="q.0", quantize_query=True, **opts)
+    plain = pa.Attention(ctx, 4, 32, 32 ** -0.5, prefix="q.1", attn_backend="ref", **opts)
+    assert quant.config.query_quant and not plain.config.query_quant
+    assert quant.backend.name != "cpu"
+    q_scale = 0.0125
+    for layer in (quant, plain):
+        layer.load_kv_scales(q_scale, 0.25, 0.5)
+        layer.bind_kv_cache(pa.allocate_kv_cache(layer.config, 4))
+    step = pa.MetadataBuilder(16).add(0, 5, [1]).build()
+    q = rng.standard_normal((5, 128)).astype(np.float32)
+    k = rng.standard_normal((5, 64)).astype(np.float32)
+    v = rng.standard_normal((5, 64)).astype(np.float32)
+    q8 = np.clip(q / np.float32(q_scale), -448, 448)
+    # e4m3 rounding of |x| in [2^e, 2^(e+1)): steps of 2^(e-3) (normal range; |q8| >= 2^-6 here
+    # except for a few near-zero values, whose subnormal step is 2^-9)
+    e = np.floor(np.log2(np.maximum(np.abs(q8), 2.0 ** -6)))
+    step_ = 2.0 ** (e - 3)
+    q8 = (np.round(q8 / step_) * step_).astype(np.float32)  # numpy rounds half to even
+    with pa.step(ctx, step.metadata()):
+        got = np.asarray(quant(q, k, v))
+        want = np.asarray(plain(q8 * np.float32(q_scale), k, v))
+        unquantised = np.asarray(plain(q, k, v))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert np.abs(got - unquantised).max() > 1e-4

@@ -58,7 +58,9 @@ void expect_same_case(const Case& a, const Case& b) {
   EXPECT_EQ(a.scales.k_scale, b.scales.k_scale);
   EXPECT_EQ(a.scales.v_scale, b.scales.v_scale);
   EXPECT_EQ(x.query_quant, y.query_quant);
-  if (x.query_quant) EXPECT_EQ(a.scales.q_scale, b.scales.q_scale);
+  if (x.query_quant) {
+    EXPECT_EQ(a.scales.q_scale, b.scales.q_scale);
+  }
   EXPECT_TRUE(same_tensor(a.query, b.query));
   EXPECT_TRUE(same_tensor(a.key, b.key));
   EXPECT_TRUE(same_tensor(a.value, b.value));
