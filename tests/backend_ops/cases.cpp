@@ -303,6 +303,48 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
     c.alibi_slopes = alibi_slopes(c.num_heads);
     m.add("qquant", c, long_batch);
   }
+  // Full K/V tiles by TMA in the Hopper prefill kernel (16-bit caches, head sizes that are
+  // multiples of 64; the tile is 128 keys up to head size 128, 64 above): block sizes below,
+  // at and above the tile, both layouts, an encoder's own key tensor, a window (tiles off the
+  // box grid: cp.async), the soft cap / ALiBi instance; long rows beside decode rows, each
+  // request's partial last tile by cp.async.
+  {
+    const std::vector<RequestShape> long_batch = {{0, 300}, {700, 150}, {45, 1}, {0, 0}, {20, 3}};
+    AttentionConfig c = base;
+    c.scale = 0;
+    c.head_size = 128;
+    for (int bs : {8, 16, 64, 256}) {
+      c.block_size = bs;
+      m.add("tma", c, long_batch, 1);
+    }
+    c.block_size = 16;
+    c.kv_cache_layout = KVCacheLayout::kHND;
+    m.add("tma", c, long_batch, 1);
+    c.kv_cache_layout = KVCacheLayout::kNHD;
+    c.dtype = DType::kF16;
+    c.head_size = 256;
+    m.add("tma", c, long_batch);
+    c.dtype = DType::kBF16;
+    c.head_size = 192;
+    c.block_size = 32;
+    m.add("tma", c, long_batch);
+    c.head_size = 128;
+    c.block_size = 16;
+    c.logits_soft_cap = 30.0f;
+    c.alibi_slopes = alibi_slopes(c.num_heads);
+    m.add("tma", c, long_batch);
+    c.logits_soft_cap.reset();
+    c.alibi_slopes.clear();
+    c.sliding_window = 100;
+    c.sinks = {1, 2, 3, 4, 0, -1, -2, 5};
+    m.add("tma", c, long_batch);
+    c.sliding_window.reset();
+    c.sinks.clear();
+    for (AttentionType t : {AttentionType::kEncoder, AttentionType::kEncoderOnly}) {
+      c.attn_type = t;
+      m.add("tma", c, {{0, 300}, {0, 1}, {0, 0}, {0, 150}});
+    }
+  }
   return m.take();
 }
 

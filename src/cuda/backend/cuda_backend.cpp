@@ -76,6 +76,12 @@ BackendOptions backend_options_from_env() {
             "') must be auto, tma or cp.async");
     o.mla_copy = v == "tma" ? MlaCopy::kTma : v == "cp.async" ? MlaCopy::kCpAsync : MlaCopy::kAuto;
   }
+  if (const char* s = std::getenv(kPrefillCopyEnvVar); s && *s) {
+    const std::string v(s);
+    require(v == "auto" || v == "cp.async", kPrefillCopyEnvVar, " ('", v,
+            "') must be auto or cp.async");
+    o.prefill_tma = v == "auto";
+  }
   if (const char* s = std::getenv(kFp8MathEnvVar); s && *s) {
     const std::string v(s);
     require(v == "on" || v == "off", kFp8MathEnvVar, " ('", v, "') must be on or off");

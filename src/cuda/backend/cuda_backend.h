@@ -36,6 +36,11 @@ inline constexpr const char* kMlaCopyEnvVar = "PAGEDATTN_CUDA_MLA_COPY";
 /// prefill kernel runs QK^T and P V as fp8 wgmma where compiled) or off (the 16-bit kernel
 /// reads the quantised query; comparisons).
 inline constexpr const char* kFp8MathEnvVar = "PAGEDATTN_CUDA_FP8_MATH";
+/// Environment variable for how the Hopper prefill kernel brings full K/V tiles of a 16-bit
+/// cache (head sizes that are multiples of 64): auto (TMA when a block holds a power of two >= 8
+/// rows, or for the key/value tensors of encoder types) or cp.async (row gathers by the
+/// producer warpgroup; comparisons).
+inline constexpr const char* kPrefillCopyEnvVar = "PAGEDATTN_CUDA_PREFILL_COPY";
 
 /// How the MLA kernel copies full tiles (kMlaCopyEnvVar).
 enum class MlaCopy : uint8_t { kAuto, kTma, kCpAsync };
@@ -67,6 +72,8 @@ struct BackendOptions {
   bool mla_split_s = true;                     ///< the MLA variant (kMlaEnvVar)
   MlaCopy mla_copy = MlaCopy::kAuto;           ///< the MLA kernel's tile copies (kMlaCopyEnvVar)
   bool fp8_math = true;                        ///< query_quant: fp8 products (kFp8MathEnvVar)
+  bool prefill_tma =
+      true;  ///< Hopper prefill: full tiles by TMA where possible (kPrefillCopyEnvVar)
 };
 
 /// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS, PAGEDATTN_CUDA_PREFILL,

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/backend/checked.h"
@@ -70,7 +71,8 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
       device_(device),
       checked_(options.checked),
       route_(options.prefill),
-      bulk_copy_(use_bulk_copy(config, options.decode_copy, device_props(device.index).cc_major)) {
+      bulk_copy_(use_bulk_copy(config, options.decode_copy, device_props(device.index).cc_major)),
+      prefill_tma_(options.prefill_tma) {
   require<NotSupported>(device.is_cuda(), "cuda backend: device ", to_string(device),
                         " is not a CUDA device");
   const bool cached = uses_kv_cache(config.attn_type);
@@ -335,6 +337,7 @@ void CudaImpl::forward(const ForwardArgs& a) {
     p.route_rows = all ? 0 : prefill::kDecodeMaxRows;
     decode::DecodeParams pp = p;
     pp.num_q_tiles = int((max_rows + prefill_->block_m - 1) / prefill_->block_m);
+    set_prefill_tma(pp, k, v, cached);
     prefill_->launch(pp, stream);
     if (!all) {
       p.num_q_tiles = prefill::kDecodeMaxRows / decode::kRows;
@@ -344,6 +347,56 @@ void CudaImpl::forward(const ForwardArgs& a) {
     decode_->launch(p, stream, /*pdl=*/true);
   }
   if (p.num_splits > 1) combine_->launch(p, stream);
+}
+
+void CudaImpl::set_prefill_tma(decode::DecodeParams& p, const TensorView& k, const TensorView& v,
+                               bool cached) const {
+  p.kv_tma = 0;
+  const int tile = prefill_->tma_tile;
+  if (!prefill_tma_ || tile <= 0 || dtype_size(k.dtype) != 2 || v.dtype != k.dtype) return;
+  // Element strides of a key row's {head, row} and of a "block" ({block, token} rows of a paged
+  // cache; kv_direct: the tensor's token rows as one block).
+  struct Axes {
+    int64_t head, row, block, rows, blocks;
+  };
+  auto axes = [&](const TensorView& t) -> Axes {
+    if (cached) return {t.stride(2), t.stride(1), t.stride(0), t.size(1), t.size(0)};
+    const int64_t extent = std::max(t.stride(0) * t.size(0), t.stride(1) * t.size(1));
+    return {t.stride(1), t.stride(0), extent, t.size(0), 1};
+  };
+  const Axes ka = axes(k), va = axes(v);
+  const int bs = p.block_size;
+  int box = tile;
+  if (cached) {
+    // A box of min(block_size, tile) rows stays inside one block when tiles start at multiples
+    // of it, which powers of two >= 8 (the swizzle repeats every 8 rows of 128 bytes) give.
+    if (bs < 8 || (bs & (bs - 1)) != 0) return;
+    box = std::min(bs, tile);
+  } else if (ka.rows < tile) {
+    return;  // no full tile anywhere
+  }
+  const int mode = ka.head <= ka.row ? 1 : 2;
+  if ((va.head <= va.row ? 1 : 2) != mode) return;
+  auto encode = [&](CUtensorMap* map, const TensorView& t, const Axes& a) {
+    const uint64_t head_size = uint64_t(config_.head_size);
+    const uint64_t heads = uint64_t(cached ? t.size(2) : t.size(1));
+    if (!aligned(t.data, 16) || (a.head * 2) % 16 != 0 || (a.row * 2) % 16 != 0 ||
+        (a.block * 2) % 16 != 0) {
+      return false;
+    }
+    const uint64_t dims[4] = {head_size, mode == 1 ? heads : uint64_t(a.rows),
+                              mode == 1 ? uint64_t(a.rows) : heads, uint64_t(a.blocks)};
+    const uint64_t strides[3] = {uint64_t((mode == 1 ? a.head : a.row) * 2),
+                                 uint64_t((mode == 1 ? a.row : a.head) * 2), uint64_t(a.block * 2)};
+    const uint32_t boxes[4] = {64, mode == 1 ? 1u : uint32_t(box), mode == 1 ? uint32_t(box) : 1u,
+                               1};
+    const char* why = nullptr;
+    return encode_tiled_sw128(map, t.data, t.dtype == DType::kBF16, 4, dims, strides, boxes, &why);
+  };
+  if (encode(&p.k_map, k, ka) && encode(&p.v_map, v, va)) {
+    p.kv_tma = mode;
+    p.kv_tma_rows = box;
+  }
 }
 
 void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {

@@ -29,12 +29,17 @@ class CudaImpl final : public AttentionImpl {
  private:
   // Head size 576: the latent kernel (cuda/mla) and, when split, its combine.
   void forward_mla(const ForwardArgs& args, cudaStream_t stream);
+  // The Hopper prefill kernel's TMA maps over K and V (decode::DecodeParams::kv_tma), when
+  // its instance, the cache's block size and the strides allow them.
+  void set_prefill_tma(decode::DecodeParams& p, const TensorView& k, const TensorView& v,
+                       bool cached) const;
 
   AttentionConfig config_;
   Device device_;
   bool checked_;
   PrefillRoute route_;
   bool bulk_copy_;
+  bool prefill_tma_;      // BackendOptions::prefill_tma
   int mla_tma_rows_ = 0;  // TMA for MLA tiles at block sizes that are multiples of this (0: off)
   DType cache_dtype_;     // what the kernels read K/V as (the activation dtype for encoder types)
   const decode::DecodeKernel* decode_ = nullptr;

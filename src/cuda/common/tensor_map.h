@@ -9,12 +9,20 @@
 
 namespace pagedattn::cuda {
 
-/// A tiled map over a 3-D tensor of 16-bit elements (bf16 when `bf16`, else f16): dims
-/// {inner, middle, outer} elements, `strides` the byte strides of middle and outer (multiples
-/// of 16), boxes of {box[0], box[1], box[2]} elements landing 128-byte swizzled (box[0] * 2 must
-/// be 128). False, with a reason in `*why`, when the driver refuses or has no entry point: the
-/// caller then keeps its cp.async path.
-bool encode_tiled_3d_sw128(CUtensorMap* map, const void* base, bool bf16, const uint64_t dims[3],
-                           const uint64_t strides[2], const uint32_t box[3], const char** why);
+/// A tiled map over a `rank`-D tensor (2 to 5) of 16-bit elements (bf16 when `bf16`, else f16):
+/// dims[0] (contiguous) .. dims[rank - 1] elements, `strides` the byte strides of dims 1 ..
+/// rank - 1 (multiples of 16), boxes of box[0] x .. x box[rank - 1] elements landing 128-byte
+/// swizzled (box[0] * 2 must be 128). False, with a reason in `*why`, when the driver refuses
+/// or has no entry point: the caller then keeps its cp.async path.
+bool encode_tiled_sw128(CUtensorMap* map, const void* base, bool bf16, int rank,
+                        const uint64_t* dims, const uint64_t* strides, const uint32_t* box,
+                        const char** why);
+
+/// The 3-D case: dims {inner, middle, outer}, strides of middle and outer.
+inline bool encode_tiled_3d_sw128(CUtensorMap* map, const void* base, bool bf16,
+                                  const uint64_t dims[3], const uint64_t strides[2],
+                                  const uint32_t box[3], const char** why) {
+  return encode_tiled_sw128(map, base, bf16, 3, dims, strides, box, why);
+}
 
 }  // namespace pagedattn::cuda

@@ -2,6 +2,8 @@
 // struct, host -> device. Strides are in elements; every head dimension is contiguous.
 #pragma once
 
+#include <cuda.h>
+
 #include <cstdint>
 
 namespace pagedattn::cuda::decode {
@@ -62,6 +64,15 @@ struct DecodeParams {
   /// K/V rows come in by cp.async.bulk (one per row, an mbarrier per warp and stage; sm_90)
   /// rather than 16-byte cp.async by every lane.
   int bulk_copy;
+
+  /// Hopper prefill only: full K/V tiles of a 16-bit cache come by TMA through k_map / v_map
+  /// (4-D maps over {head_size, a, b, blocks}, boxes of 64 columns x kv_tma_rows rows,
+  /// 128-byte swizzled as the panels are). 1: a = KV heads, b = rows of a block (NHD); 2: a =
+  /// rows, b = heads (HND). kv_direct: "rows" are the key tensor's token rows, one "block".
+  /// 0: every tile by cp.async.
+  int kv_tma;
+  int kv_tma_rows;  ///< rows per box: min(block_size, the kernel's tile) (kv_direct: the tile)
+  CUtensorMap k_map, v_map;  // 64-byte aligned by their type
 };
 
 }  // namespace pagedattn::cuda::decode

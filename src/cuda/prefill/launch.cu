@@ -14,6 +14,7 @@ const std::vector<PrefillKernel>& prefill_kernels() {
    80,                                                             \
    Traits<DType::act, KVKind::kv, head_size>::kBlockM,             \
    false,                                                          \
+   0,                                                              \
    &PrefillOps<Traits<DType::act, KVKind::kv, head_size>>::launch, \
    &PrefillOps<Traits<DType::act, KVKind::kv, head_size>>::ctas_per_sm},
 #define PAGEDATTN_PREFILL_SM90_INSTANCE(act, kv, head_size)                \
@@ -23,6 +24,9 @@ const std::vector<PrefillKernel>& prefill_kernels() {
    90,                                                                     \
    Sm90Traits<DType::act, KVKind::kv, head_size>::kBlockM,                 \
    false,                                                                  \
+   KVKind::kv == KVKind::kSame && head_size % 64 == 0                      \
+       ? Sm90Traits<DType::act, KVKind::kv, head_size>::kBlockN            \
+       : 0,                                                                \
    &PrefillSm90Ops<Sm90Traits<DType::act, KVKind::kv, head_size>>::launch, \
    &PrefillSm90Ops<Sm90Traits<DType::act, KVKind::kv, head_size>>::ctas_per_sm},
 #define PAGEDATTN_PREFILL_SM90_FP8_INSTANCE(act, head_size)                        \
@@ -32,6 +36,7 @@ const std::vector<PrefillKernel>& prefill_kernels() {
    90,                                                                             \
    Sm90Traits<DType::act, KVKind::kFp8, head_size, true>::kBlockM,                 \
    true,                                                                           \
+   0,                                                                              \
    &PrefillSm90Ops<Sm90Traits<DType::act, KVKind::kFp8, head_size, true>>::launch, \
    &PrefillSm90Ops<Sm90Traits<DType::act, KVKind::kFp8, head_size, true>>::ctas_per_sm},
 #include "cuda/prefill/inst/instances.inc"

@@ -23,6 +23,10 @@ struct PrefillKernel {
   /// fp8 products (sm 90, e4m3 cache, query_quant): Q narrowed to e4m3, QK^T and P V as fp8
   /// wgmma with P in e4m3.
   bool fp8_math;
+  /// > 0: the kernel can take full K/V tiles by TMA (decode::DecodeParams::kv_tma): its tile of
+  /// keys (the Hopper kernel over a 16-bit cache of its activation dtype, head size a multiple
+  /// of 64). 0: cp.async only.
+  int tma_tile;
   void (*launch)(const decode::DecodeParams& params, cudaStream_t stream);
   int (*ctas_per_sm)(int device);
 };

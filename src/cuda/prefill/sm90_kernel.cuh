@@ -8,17 +8,21 @@
 //   grid      as the portable kernel: x = q tiles (slowest, reversed) x requests x KV heads,
 //             y = splits; kBlockM = 128 packed rows per CTA, 384 threads.
 //   warps     warpgroup 0 (producer, 40 registers): Q once, then the K and the V tile of
-//             kBlockN keys into two-stage rings of their own: row byte offsets from the block
-//             table into a smem table (one row per thread), a named barrier, then 16-byte
-//             cp.async of every row's chunks into 128-byte-swizzled panels, whose completion
-//             arrives on the stage's `full` mbarrier (cp.async.mbarrier.arrive.noinc: the
-//             producer never waits for its own copies). Warpgroups 1-2 (consumers, 232
-//             registers) own 64 rows each and overlap the tensor cores with the softmax as
-//             FlashAttention-3 does: iteration j issues S_j = Q K_j^T (wgmma SS) and then
-//             O += P_{j-1} V_{j-1} (wgmma RS, V MN-major), waits for S_j only, runs the softmax
-//             of S_j (the portable kernel's, on the same fragment layout) while P V runs, then
-//             waits for P V, rescales O and packs P_j. K_j is released as soon as S_j is done,
-//             V_{j-1} after its P V: the producer refills K a whole iteration before it is read.
+//             kBlockN keys into two-stage rings of their own. Full tiles of a 16-bit cache
+//             (head sizes that are multiples of 64, block sizes powers of two >= 8, or an
+//             encoder's key tensor) come by TMA: one box per block and panel, issued by the
+//             lanes of warp 0, completing on the stage's `full` mbarrier by transaction count.
+//             Other tiles: row byte offsets from the block table into a smem table (one row per
+//             thread), a named barrier, then 16-byte cp.async of every row's chunks into
+//             128-byte-swizzled panels, whose completion arrives on the same barrier
+//             (cp.async.mbarrier.arrive.noinc: the producer never waits for its own copies).
+//             Warpgroups 1-2 (consumers, 232 registers) own 64 rows each and overlap the
+//             tensor cores with the softmax as FlashAttention-3 does: iteration j issues
+//             S_j = Q K_j^T (wgmma SS) and then O += P_{j-1} V_{j-1} (wgmma RS, V MN-major),
+//             waits for S_j only, runs the softmax of S_j (the portable kernel's, on the same
+//             fragment layout) while P V runs, then waits for P V, rescales O and packs P_j.
+//             K_j is released as soon as S_j is done, V_{j-1} after its P V: the producer
+//             refills K a whole iteration before it is read.
 //   sync      mbarriers through CCCL's cuda::ptx (phases flip every kStages tiles); each
 //             consumer thread fences the async proxy after a `full` wait, before its wgmmas
 //             read what cp.async (generic proxy) wrote.
@@ -437,6 +441,10 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   // kStages + 1 slots: the V copies of tile j read slot j while tile j + 1's K is already
   // issued, and only the barrier of tile j + 2's fill stands between them and slot j's reuse.
   auto fill_table = [&](int j) {
+    // Persistent: tiles that came by TMA (no fill, no barrier) may stand between this fill and
+    // the last reads of the slot it overwrites; a barrier first keeps every producer thread's
+    // earlier reads ahead of the writes.
+    if constexpr (T::kPersistent) sm90::named_barrier_sync(1, 128);
     int64_t* const table = reinterpret_cast<int64_t*>(smem + lay.table_offset) +
                            ((it0 + j) % T::kTableSlots) * 2 * kBlockN;
     if (ct < kBlockN) {
@@ -482,26 +490,91 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
                         head + table[2 * row + pick] + col_bytes, 16, 0);
     }
   };
+  // TMA (p.kv_tma, 16-bit caches at head sizes that are multiples of 64): a full tile whose
+  // boxes of kv_tma_rows rows each stay inside one block comes as one box per block and panel,
+  // issued by the lanes of warp 0 (lane b: the tile's rows b * box .. b * box + box - 1);
+  // lane 0 arrives with the tile's byte count, every other producer thread plainly, so the
+  // `full` barriers keep their 128 arrivals whichever way a tile comes. ncu [d128 16k, before]:
+  // the cp.async producer issued ~940 instructions per warp and tile against the consumers'
+  // ~590, on the same schedulers. A split's partial last tile still goes by cp.async (a box
+  // would read rows past the split, whose bytes may be NaN; cp.async reads the last key again).
+  constexpr bool kTmaCapable = D % 64 == 0 && T::kv == KVKind::kSame;
+  const int box = p.kv_tma_rows;
+  const int align = p.kv_direct ? 1 : box;
+  auto by_tma = [&](int j) {
+    const int ts = w.kv_begin + j * kBlockN;
+    return kTmaCapable && p.kv_tma != 0 && ts + kBlockN <= w.kv_end && ts % align == 0;
+  };
+  // Lane b's box of tile j: {row coordinate, block coordinate} (kv_direct: token row, 0).
+  auto box_at = [&](int j) {
+    int2 at = make_int2(0, 0);
+    if (ct < kBlockN / box) {
+      const int pos = w.kv_begin + j * kBlockN + ct * box;
+      if (p.kv_direct) {
+        at.x = w.q_begin + pos;
+      } else {
+        const int lb = kv.bs_shift >= 0 ? pos >> kv.bs_shift : pos / p.block_size;
+        at.x = pos - lb * p.block_size;
+        at.y = kv.bt_row[int64_t(lb) * p.block_table_stride_block];
+      }
+    }
+    return at;
+  };
+  auto tma_tile = [&](const CUtensorMap* map, uint64_t* full, unsigned char* dst, int2 at) {
+    if (ct == 0) {
+      ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, full,
+                                     uint32_t(kBlockN * D * 2));
+    } else {
+      ptx::mbarrier_arrive(full);
+    }
+    if constexpr (kTmaCapable) {
+      if (ct < kBlockN / box) {
+        const int32_t head = w.kv_head;
+#pragma unroll
+        for (int k = 0; k < T::kPanels; ++k) {
+          const int32_t c4[4] = {64 * k, p.kv_tma == 1 ? head : at.x, p.kv_tma == 1 ? at.x : head,
+                                 at.y};
+          ptx::cp_async_bulk_tensor(ptx::space_shared, ptx::space_global,
+                                    dst + k * lay.kv_panel + ct * box * 128, map, c4, full);
+        }
+      }
+    }
+  };
   // K runs one tile ahead of V, as the consumers read them: iteration j computes S_j and
   // P_{j-1} V_{j-1}. K_{j+1} needs only S_{j-1} done; waiting first for V_j's slot (P V_{j-2}
   // done) held it back a whole iteration, and ncu showed the consumers spinning on K's `full`.
+  // at_k: the boxes of the tile copy_k brings, at_v those of the tile whose V is next.
+  int2 at_k = make_int2(0, 0), at_v = make_int2(0, 0);
   auto copy_k = [&](int j) {
     const int s = (it0 + j) % kStages;
-    const int64_t* const table = fill_table(j);
+    const bool tma = by_tma(j);
+    const int64_t* const table = tma ? nullptr : fill_table(j);
+    if (tma) at_k = box_at(j);
     mbar_wait(bars.k_empty(s), (((it0 + j) / kStages) & 1) ^ 1);  // tile j - kStages released
-    copy_tile(smem + lay.stage_offset + s * lay.stage_bytes, k_head, table, 0);
-    ptx::cp_async_mbarrier_arrive_noinc(bars.k_full(s));
+    unsigned char* const dst = smem + lay.stage_offset + s * lay.stage_bytes;
+    if (tma) {
+      tma_tile(&p.k_map, bars.k_full(s), dst, at_k);
+    } else {
+      copy_tile(dst, k_head, table, 0);
+      ptx::cp_async_mbarrier_arrive_noinc(bars.k_full(s));
+    }
   };
   if (n_tiles > 0) copy_k(0);
   for (int j = 0; j < n_tiles; ++j) {
+    at_v = at_k;
     if (j + 1 < n_tiles) copy_k(j + 1);
     const int s = (it0 + j) % kStages;
-    const int64_t* const table = reinterpret_cast<int64_t*>(smem + lay.table_offset) +
-                                 ((it0 + j) % T::kTableSlots) * 2 * kBlockN;
     mbar_wait(bars.v_empty(s), (((it0 + j) / kStages) & 1) ^ 1);
-    copy_tile(smem + lay.stage_offset + s * lay.stage_bytes + T::kPanels * lay.kv_panel, v_head,
-              table, 1);
-    ptx::cp_async_mbarrier_arrive_noinc(bars.v_full(s));
+    unsigned char* const dst =
+        smem + lay.stage_offset + s * lay.stage_bytes + T::kPanels * lay.kv_panel;
+    if (by_tma(j)) {
+      tma_tile(&p.v_map, bars.v_full(s), dst, at_v);
+    } else {
+      const int64_t* const table = reinterpret_cast<int64_t*>(smem + lay.table_offset) +
+                                   ((it0 + j) % T::kTableSlots) * 2 * kBlockN;
+      copy_tile(dst, v_head, table, 1);
+      ptx::cp_async_mbarrier_arrive_noinc(bars.v_full(s));
+    }
   }
   sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
 }
@@ -633,24 +706,27 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
       turn_end();
       sm90::wgmma_wait<0>();
       sm90::fence_operands(sacc);
-      softmax(sacc, j_lo, corr);  // O is still zero: nothing to rescale
-      ptx::mbarrier_arrive(bars.k_empty(s));
+      ptx::mbarrier_arrive(bars.k_empty(s));  // S_j has read K_j: the producer may refill it
+      softmax(sacc, j_lo, corr);              // O is still zero: nothing to rescale
       pack(sacc);
     }
     for (int j = j_lo + 1; j < j_hi; ++j) {
       const int s = stage(j), prev = stage(j - 1);
       mbar_wait(bars.k_full(s), parity(j));
-      mbar_wait(bars.v_full(prev), parity(j - 1));
       ptx::fence_proxy_async(ptx::space_shared);
       float sacc[kSn][4], corr[2];
       turn_begin();
       issue_s(sacc, s);
+      // V_{j-1} only now: S_j need not wait for it (ncu: the V `full` poll was the consumers'
+      // hottest instruction with the cp.async producer).
+      mbar_wait(bars.v_full(prev), parity(j - 1));
+      ptx::fence_proxy_async(ptx::space_shared);
       issue_pv(prev);
       turn_end();
       sm90::wgmma_wait<1>();  // S_j done; P V of tile j - 1 still runs
       sm90::fence_operands(sacc);
-      softmax(sacc, j, corr);
       ptx::mbarrier_arrive(bars.k_empty(s));
+      softmax(sacc, j, corr);
       sm90::wgmma_wait<0>();
       sm90::fence_operands(o);
       ptx::mbarrier_arrive(bars.v_empty(prev));
