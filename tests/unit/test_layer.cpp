@@ -298,8 +298,10 @@ TEST(AttentionLayer, QuantizeQueryAttendsWithTheQuantisedQuery) {
   const auto verdicts = default_registry().explain(BackendQuery{quant.config(), Device::cpu()});
   for (const auto& v : verdicts) {
     if (v.name == "cpu") {
-      ASSERT_FALSE(v.reasons.empty());
-      EXPECT_NE(v.reasons.front().find("query_quant"), std::string::npos) << v.reasons.front();
+      // One of its reasons names query_quant (head size 8 may be refused first).
+      bool named = false;
+      for (const std::string& r : v.reasons) named = named || r.find("query_quant") != r.npos;
+      EXPECT_TRUE(named) << (v.reasons.empty() ? "no reasons" : v.reasons.front());
     }
   }
   o.prefix = "model.layers.1.attn";

@@ -78,9 +78,9 @@ BackendOptions backend_options_from_env() {
   }
   if (const char* s = std::getenv(kPrefillCopyEnvVar); s && *s) {
     const std::string v(s);
-    require(v == "auto" || v == "cp.async", kPrefillCopyEnvVar, " ('", v,
-            "') must be auto or cp.async");
-    o.prefill_tma = v == "auto";
+    require(v == "cp.async" || v == "tma", kPrefillCopyEnvVar, " ('", v,
+            "') must be cp.async or tma");
+    o.prefill_tma = v == "tma";
   }
   if (const char* s = std::getenv(kFp8MathEnvVar); s && *s) {
     const std::string v(s);

@@ -37,9 +37,11 @@ inline constexpr const char* kMlaCopyEnvVar = "PAGEDATTN_CUDA_MLA_COPY";
 /// reads the quantised query; comparisons).
 inline constexpr const char* kFp8MathEnvVar = "PAGEDATTN_CUDA_FP8_MATH";
 /// Environment variable for how the Hopper prefill kernel brings full K/V tiles of a 16-bit
-/// cache (head sizes that are multiples of 64): auto (TMA when a block holds a power of two >= 8
-/// rows, or for the key/value tensors of encoder types) or cp.async (row gathers by the
-/// producer warpgroup; comparisons).
+/// cache (head sizes that are multiples of 64): cp.async (default: row gathers by the producer
+/// warpgroup) or tma (one box per block and panel when a block holds a power of two >= 8 rows,
+/// and for the key/value tensors of encoder types). Measured on the H200 at block size 16
+/// (docs/kernel_notes.md): TMA 0.97-1.01x cp.async at head sizes 128 / 256 and for ViT shapes,
+/// 0.86-0.90x at head size 64, so cp.async stays the default.
 inline constexpr const char* kPrefillCopyEnvVar = "PAGEDATTN_CUDA_PREFILL_COPY";
 
 /// How the MLA kernel copies full tiles (kMlaCopyEnvVar).

@@ -589,7 +589,11 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   constexpr Sm90Layout lay = T::layout();
   if (seq.first) sm90::setmaxnreg_inc<T::kConsumerRegs>();
   const int it0 = seq.it;
-  const int wg = int(threadIdx.x) / 128, ct = int(threadIdx.x) % 128;
+  // The warpgroup index through a shuffle, as CUTLASS does: ptxas then knows it is uniform and
+  // builds the wgmma descriptors (Q's base depends on it) in uniform registers, instead of
+  // computing them per thread and moving each into uniform registers (48 R2UR per tile).
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0);
+  const int ct = int(threadIdx.x) % 128;
   const int cw = wg - 1;  // consumer warpgroup: rows 64 cw .. 64 cw + 63
   const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
   const int row_a = 64 * cw + 16 * warp + g;
