@@ -30,8 +30,12 @@ t "backend_ops --filter tma, auto route rc=$?"
 grep -E "^backend|FAIL" "$O/bo_tma_auto.log" | head -6
 PAGEDATTN_CUDA_PREFILL=all PAGEDATTN_CUDA_PREFILL_COPY=tma timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 \
   $BO --filter tma > "$O/san_tma.log" 2>&1
-t "memcheck --filter tma (prefill kernel) rc=$?"
+t "memcheck --filter tma (prefill kernel, TMA) rc=$?"
 tail -2 "$O/san_tma.log"
+PAGEDATTN_CUDA_PREFILL=all timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 \
+  $BO --filter tma > "$O/san_cp.log" 2>&1
+t "memcheck --filter tma (prefill kernel, cp.async) rc=$?"
+tail -2 "$O/san_cp.log"
 timeout 150 "$B/bench/gpu/bench_prefill" --out "$O/ours.json" > "$O/bench.log" 2>&1
 t "bench_prefill (cp.async) rc=$?"
 only="q4096 h32/8 d128 auto,q16384 h32/8 d128 auto,q4096 h32/8 d64,q16384 h32/8 d64"
