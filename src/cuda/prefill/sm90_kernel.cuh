@@ -8,14 +8,15 @@
 //   grid      as the portable kernel: x = q tiles (slowest, reversed) x requests x KV heads,
 //             y = splits; kBlockM = 128 packed rows per CTA, 384 threads.
 //   warps     warpgroup 0 (producer, 40 registers): Q once, then the K and the V tile of
-//             kBlockN keys into two-stage rings of their own. Full tiles of a 16-bit cache
-//             (head sizes that are multiples of 64, block sizes powers of two >= 8, or an
-//             encoder's key tensor) come by TMA: one box per block and panel, issued by the
-//             lanes of warp 0, completing on the stage's `full` mbarrier by transaction count.
-//             Other tiles: row byte offsets from the block table into a smem table (one row per
-//             thread), a named barrier, then 16-byte cp.async of every row's chunks into
-//             128-byte-swizzled panels, whose completion arrives on the same barrier
-//             (cp.async.mbarrier.arrive.noinc: the producer never waits for its own copies).
+//             kBlockN keys into two-stage rings of their own. With PAGEDATTN_CUDA_PREFILL_COPY
+//             =tma, full tiles of a 16-bit cache (head sizes that are multiples of 64, block
+//             sizes powers of two >= 8, or an encoder's key tensor) come by TMA: one box per
+//             block and panel, issued by the lanes of warp 0, completing on the stage's `full`
+//             mbarrier by transaction count (measured no faster). Otherwise: row byte offsets
+//             from the block table into a smem table (one row per thread), a named barrier,
+//             then 16-byte cp.async of every row's chunks into 128-byte-swizzled panels, whose
+//             completion arrives on the same barrier (cp.async.mbarrier.arrive.noinc: the
+//             producer never waits for its own copies).
 //             Warpgroups 1-2 (consumers, 232 registers) own 64 rows each and overlap the
 //             tensor cores with the softmax as FlashAttention-3 does: iteration j issues
 //             S_j = Q K_j^T (wgmma SS) and then O += P_{j-1} V_{j-1} (wgmma RS, V MN-major),
