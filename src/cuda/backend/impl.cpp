@@ -459,7 +459,7 @@ void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {
     const uint32_t box[3] = {64, uint32_t(std::min<int64_t>(k.size(1), mla::kBlockN)), 1};
     const char* why = nullptr;
     p.kv_tma =
-        encode_tiled_3d_sw128(&p.kv_map, k.data, k.dtype == DType::kBF16, dims, strides, box, &why)
+        encode_tiled_sw128(&p.kv_map, k.data, k.dtype == DType::kBF16, 3, dims, strides, box, &why)
             ? 1
             : 0;
   }

@@ -18,11 +18,4 @@ bool encode_tiled_sw128(CUtensorMap* map, const void* base, bool bf16, int rank,
                         const uint64_t* dims, const uint64_t* strides, const uint32_t* box,
                         const char** why);
 
-/// The 3-D case: dims {inner, middle, outer}, strides of middle and outer.
-inline bool encode_tiled_3d_sw128(CUtensorMap* map, const void* base, bool bf16,
-                                  const uint64_t dims[3], const uint64_t strides[2],
-                                  const uint32_t box[3], const char** why) {
-  return encode_tiled_sw128(map, base, bf16, 3, dims, strides, box, why);
-}
-
 }  // namespace pagedattn::cuda
