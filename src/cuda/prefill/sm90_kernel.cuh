@@ -268,9 +268,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const Barriers<T::kStages> bars{reinterpret_cast<uint64_t*>(smem + lay.bar_offset)};
   if (threadIdx.x == 0) {
     ptx::mbarrier_init(bars.q_full(), 128);
+    // One arrival per producer thread that brings the tile: the 16-bit producer splits into a
+    // K half and a V half of 64 threads, the fp8 producers bring both with all 128.
+    constexpr int kFullArrivals = T::kv == KVKind::kSame && !T::kFp8Math ? 64 : 128;
     for (int s = 0; s < T::kStages; ++s) {
-      ptx::mbarrier_init(bars.k_full(s), 128);  // one cp.async arrival per producer thread
-      ptx::mbarrier_init(bars.v_full(s), 128);
+      ptx::mbarrier_init(bars.k_full(s), kFullArrivals);
+      ptx::mbarrier_init(bars.v_full(s), kFullArrivals);
       ptx::mbarrier_init(bars.k_empty(s), 128 * T::kConsumers);
       ptx::mbarrier_init(bars.v_empty(s), 128 * T::kConsumers);
     }
@@ -465,23 +468,49 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
     produce_fp8<T>(p, smem, bars, n_tiles, it0, k_head, v_head, fill_table);
     return;
   }
-  // Every chunk of the tile's rows (16 B each) into the swizzled panels of `dst`; `pick` 0
-  // copies K (table .x), 1 copies V (table .y).
-  // Thread ct copies chunk column ct % kLanes of rows ct / kLanes + i * kRowsPerPass: its
+  // 16-bit caches: warps 0-1 bring the K tiles and warps 2-3 the V tiles, each half on its own
+  // loop, so a V tile goes out as soon as its stage is free. With one loop (K_{j+1}, then V_j)
+  // V waited behind K's `empty` barrier, i.e. for the slower consumer warpgroup's S; ncu
+  // [d128 16k, commit 605847d]: the consumers' poll of V's `full` 15% of the samples and the
+  // producer's poll of K's `empty` 12%.
+  const bool v_half = ct >= 64;
+  const int ht = ct & 63;
+  const int pick = v_half ? 1 : 0;
+  const char* const head = v_half ? v_head : k_head;
+  // Thread ht copies chunk column ht % kLanes of rows ht / kLanes + i * kRowsPerPass: its
   // column, panel and (for passes of 8 or 16 rows) swizzle stay fixed, so a chunk costs one
   // table read, one add and the copy (the per-chunk index math was most of the producer's
-  // ALU work: ncu showed the ALU pipe as the busiest at 36%).
-  // Head sizes whose chunk count is not a power of two (80, 96, 192) give each row the next
-  // power of two of lanes and leave the extra lanes idle: the fixed per-thread column is worth
-  // more than the idle quarter of the copies' issue slots.
+  // ALU work: ncu showed the ALU pipe as the busiest at 36%). Head sizes whose chunk count is
+  // not a power of two (80, 96, 192) give each row the next power of two of lanes and leave
+  // the extra lanes idle.
   constexpr int kLanes = kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
-  constexpr int kRowsPerPass = 128 / kLanes;
+  constexpr int kRowsPerPass = 64 / kLanes;
   static_assert(kChunks <= kLanes && kBlockN % kRowsPerPass == 0);
-  const int col = ct % kLanes, r0 = ct / kLanes;
+  const int col = ht % kLanes, r0 = ht / kLanes;
   const bool copies = col < kChunks;
   const uint32_t col_at = (col >> 3) * lay.kv_panel;
   const int col_bytes = col * 16;
-  auto copy_tile = [&](unsigned char* dst, const char* head, const int64_t* table, int pick) {
+  // This half's offsets (K's or V's) of tile j into table slot j % kTableSlots, then a barrier
+  // of the half (named barrier 4 or 5). Rows past the split read the split's last key instead
+  // (its bytes are finite: its scores are masked and its P is 0), so the copies need no
+  // zero-fill predicate. Each half reads only what it wrote, and its barrier of tile j + 1
+  // stands between its reads of slot j and the slot's reuse at tile j + kTableSlots.
+  auto fill_half = [&](int j) {
+    // Persistent: tiles that came by TMA (no fill, no barrier) may stand between this fill and
+    // the last reads of the slot it overwrites: a barrier first.
+    if constexpr (T::kPersistent) sm90::named_barrier_sync(4 + pick, 64);
+    int64_t* const table = reinterpret_cast<int64_t*>(smem + lay.table_offset) +
+                           ((it0 + j) % T::kTableSlots) * 2 * kBlockN;
+    for (int row = ht; row < kBlockN; row += 64) {
+      const int pos = min(w.kv_begin + j * kBlockN + row, w.kv_end - 1);
+      int64_t k_off, v_off;
+      kv.offsets(p, w, pos, k_off, v_off);
+      table[2 * row + pick] = v_half ? v_off : k_off;
+    }
+    sm90::named_barrier_sync(4 + pick, 64);
+    return table;
+  };
+  auto copy_tile = [&](unsigned char* dst, const int64_t* table) {
     if (!copies) return;
     const uint32_t dst0 = sm80::smem_addr(dst) + col_at;
 #pragma unroll 4
@@ -493,12 +522,11 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   };
   // TMA (p.kv_tma, 16-bit caches at head sizes that are multiples of 64): a full tile whose
   // boxes of kv_tma_rows rows each stay inside one block comes as one box per block and panel,
-  // issued by the lanes of warp 0 (lane b: the tile's rows b * box .. b * box + box - 1);
-  // lane 0 arrives with the tile's byte count, every other producer thread plainly, so the
-  // `full` barriers keep their 128 arrivals whichever way a tile comes. ncu [d128 16k, before]:
-  // the cp.async producer issued ~940 instructions per warp and tile against the consumers'
-  // ~590, on the same schedulers. A split's partial last tile still goes by cp.async (a box
-  // would read rows past the split, whose bytes may be NaN; cp.async reads the last key again).
+  // issued by the lanes of the half's first warp (lane b: the tile's rows b * box .. b * box +
+  // box - 1); lane 0 arrives with the tile's byte count, the half's other threads plainly, so
+  // the `full` barriers keep their 64 arrivals whichever way a tile comes. A split's partial
+  // last tile still goes by cp.async (a box would read rows past the split, whose bytes may be
+  // NaN; cp.async reads the last key again).
   constexpr bool kTmaCapable = D % 64 == 0 && T::kv == KVKind::kSame;
   const int box = p.kv_tma_rows;
   const int align = p.kv_direct ? 1 : box;
@@ -509,8 +537,8 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   // Lane b's box of tile j: {row coordinate, block coordinate} (kv_direct: token row, 0).
   auto box_at = [&](int j) {
     int2 at = make_int2(0, 0);
-    if (ct < kBlockN / box) {
-      const int pos = w.kv_begin + j * kBlockN + ct * box;
+    if (ht < kBlockN / box) {
+      const int pos = w.kv_begin + j * kBlockN + ht * box;
       if (p.kv_direct) {
         at.x = w.q_begin + pos;
       } else {
@@ -521,60 +549,42 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
     }
     return at;
   };
-  auto tma_tile = [&](const CUtensorMap* map, uint64_t* full, unsigned char* dst, int2 at) {
-    if (ct == 0) {
+  auto tma_tile = [&](uint64_t* full, unsigned char* dst, int2 at) {
+    if (ht == 0) {
       ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, full,
                                      uint32_t(kBlockN * D * 2));
     } else {
       ptx::mbarrier_arrive(full);
     }
     if constexpr (kTmaCapable) {
-      if (ct < kBlockN / box) {
-        const int32_t head = w.kv_head;
+      if (ht < kBlockN / box) {
+        const CUtensorMap* const map = v_half ? &p.v_map : &p.k_map;
+        const int32_t kvh = w.kv_head;
 #pragma unroll
         for (int k = 0; k < T::kPanels; ++k) {
-          const int32_t c4[4] = {64 * k, p.kv_tma == 1 ? head : at.x, p.kv_tma == 1 ? at.x : head,
+          const int32_t c4[4] = {64 * k, p.kv_tma == 1 ? kvh : at.x, p.kv_tma == 1 ? at.x : kvh,
                                  at.y};
           ptx::cp_async_bulk_tensor(ptx::space_shared, ptx::space_global,
-                                    dst + k * lay.kv_panel + ct * box * 128, map, c4, full);
+                                    dst + k * lay.kv_panel + ht * box * 128, map, c4, full);
         }
       }
     }
   };
-  // K runs one tile ahead of V, as the consumers read them: iteration j computes S_j and
-  // P_{j-1} V_{j-1}. K_{j+1} needs only S_{j-1} done; waiting first for V_j's slot (P V_{j-2}
-  // done) held it back a whole iteration, and ncu showed the consumers spinning on K's `full`.
-  // at_k: the boxes of the tile copy_k brings, at_v those of the tile whose V is next.
-  int2 at_k = make_int2(0, 0), at_v = make_int2(0, 0);
-  auto copy_k = [&](int j) {
+  for (int j = 0; j < n_tiles; ++j) {
     const int s = (it0 + j) % kStages;
     const bool tma = by_tma(j);
-    const int64_t* const table = tma ? nullptr : fill_table(j);
-    if (tma) at_k = box_at(j);
-    mbar_wait(bars.k_empty(s), (((it0 + j) / kStages) & 1) ^ 1);  // tile j - kStages released
-    unsigned char* const dst = smem + lay.stage_offset + s * lay.stage_bytes;
-    if (tma) {
-      tma_tile(&p.k_map, bars.k_full(s), dst, at_k);
-    } else {
-      copy_tile(dst, k_head, table, 0);
-      ptx::cp_async_mbarrier_arrive_noinc(bars.k_full(s));
-    }
-  };
-  if (n_tiles > 0) copy_k(0);
-  for (int j = 0; j < n_tiles; ++j) {
-    at_v = at_k;
-    if (j + 1 < n_tiles) copy_k(j + 1);
-    const int s = (it0 + j) % kStages;
-    mbar_wait(bars.v_empty(s), (((it0 + j) / kStages) & 1) ^ 1);
+    const int64_t* const table = tma ? nullptr : fill_half(j);
+    const int2 at = tma ? box_at(j) : make_int2(0, 0);
+    uint64_t* const empty = v_half ? bars.v_empty(s) : bars.k_empty(s);
+    uint64_t* const full = v_half ? bars.v_full(s) : bars.k_full(s);
+    mbar_wait(empty, (((it0 + j) / kStages) & 1) ^ 1);  // tile j - kStages released
     unsigned char* const dst =
-        smem + lay.stage_offset + s * lay.stage_bytes + T::kPanels * lay.kv_panel;
-    if (by_tma(j)) {
-      tma_tile(&p.v_map, bars.v_full(s), dst, at_v);
+        smem + lay.stage_offset + s * lay.stage_bytes + pick * T::kPanels * lay.kv_panel;
+    if (tma) {
+      tma_tile(full, dst, at);
     } else {
-      const int64_t* const table = reinterpret_cast<int64_t*>(smem + lay.table_offset) +
-                                   ((it0 + j) % T::kTableSlots) * 2 * kBlockN;
-      copy_tile(dst, v_head, table, 1);
-      ptx::cp_async_mbarrier_arrive_noinc(bars.v_full(s));
+      copy_tile(dst, table);
+      ptx::cp_async_mbarrier_arrive_noinc(full);
     }
   }
   sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
@@ -593,10 +603,10 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   // The warpgroup index through a shuffle, as CUTLASS does: ptxas then knows it is uniform and
   // builds the wgmma descriptors (Q's base depends on it) in uniform registers, instead of
   // computing them per thread and moving each into uniform registers (48 R2UR per tile).
-  // Measured [H200, bench/results/2026-12-03-h200-tma-605847d.txt against cb11792's run]:
-  // 16-bit d128 / d256 +2-6%, fp8 products d64 / d128 +2-4%, but 16-bit d64 -10% (its spin
-  // loops lose their YIELDs; the d64 consumers wait on the producer most), so the 16-bit kernels
-  // below head size 128 keep the plain index (the same SASS as before the shuffle: cuobjdump).
+  // Measured [H200, bench/results/2026-12-03-h200-tma-605847d.txt, same-call A/B against
+  // cb11792]: 16-bit d128 / d256 +2-6%, fp8 products d64 / d128 +1-4%, but 16-bit d64 -10%
+  // (its spin loops lose their YIELDs; the d64 consumers wait on the producer most), so the
+  // 16-bit kernels below head size 128 keep the plain index.
   constexpr bool kUniformWg = D >= 128 || T::kFp8Math;
   const int wg =
       kUniformWg ? __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0) : int(threadIdx.x) / 128;
