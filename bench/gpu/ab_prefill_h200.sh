@@ -8,7 +8,8 @@
 #   carry = build/carry (h200-bins.tar.gz: build/cuda-h200/{tests/backend_ops,
 #   bench/gpu/bench_prefill} of the change, and each compared build's bench/gpu/bench_prefill
 #   under build/ab/<name>/); then
-#   OUT=... bash bench/gpu/ab_prefill_h200.sh base=build/ab/base pp=build/ab/pp
+#   OUT=... bash bench/gpu/ab_prefill_h200.sh base=build/ab/base cp=build/cuda-h200@VAR=value
+# (arguments: sweep_prefill_h200.sh specs beside new=build/cuda-h200)
 #
 # Writes $OUT/table.txt, $OUT/sweep.txt, $OUT/prefill.{json,png}, $OUT/prefill_profile.*,
 # $OUT/logs.tar.gz.
@@ -22,40 +23,32 @@ S=$(date +%s)
 t() { echo "[$(($(date +%s) - S))s] $*"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 BO="$B/tests/backend_ops test --device cuda --backend cuda"
-PAGEDATTN_CUDA_PREFILL=all timeout 120 $BO > "$O/bo_all.log" 2>&1
-t "backend_ops, every row on the prefill kernel (cp.async) rc=$?"
-grep -E "^backend|FAIL" "$O/bo_all.log" | head -12
-PAGEDATTN_CUDA_PREFILL=all PAGEDATTN_CUDA_PREFILL_COPY=tma timeout 120 $BO > "$O/bo_all_tma.log" 2>&1
-t "backend_ops, every row on the prefill kernel (TMA where possible) rc=$?"
-grep -E "^backend|FAIL" "$O/bo_all_tma.log" | head -12
+# Every row on the prefill kernel, each copy path named (the default is one of them), then with
+# the pingpong in every CTA (its turns are otherwise taken only by long CTAs), then the auto
+# route with the defaults.
+for run in "cp.async PAGEDATTN_CUDA_PREFILL_COPY=cp.async" "tma PAGEDATTN_CUDA_PREFILL_COPY=tma" \
+  "pingpong PAGEDATTN_CUDA_PINGPONG_MIN_TILES=1"; do
+  PAGEDATTN_CUDA_PREFILL=all timeout 120 env "${run#* }" $BO > "$O/bo_${run%% *}.log" 2>&1
+  t "backend_ops, every row on the prefill kernel, ${run#* } rc=$?"
+  grep -E "^backend.*passed|FAIL" "$O/bo_${run%% *}.log" | head -12
+done
 timeout 120 $BO > "$O/bo_auto.log" 2>&1
 t "backend_ops, auto route rc=$?"
-grep -E "^backend|FAIL" "$O/bo_auto.log" | head -12
+grep -E "^backend.*passed|FAIL" "$O/bo_auto.log" | head -12
+PAGEDATTN_CUDA_PREFILL=all PAGEDATTN_CUDA_PINGPONG_MIN_TILES=1 timeout 150 compute-sanitizer \
+  --tool memcheck --error-exitcode 99 $BO --filter d=128 > "$O/san_pingpong.log" 2>&1
+t "memcheck --filter d=128 (prefill kernel, pingpong in every CTA) rc=$?"
+tail -2 "$O/san_pingpong.log"
 for copy in cp.async tma; do
   PAGEDATTN_CUDA_PREFILL=all PAGEDATTN_CUDA_PREFILL_COPY=$copy timeout 150 compute-sanitizer \
     --tool memcheck --error-exitcode 99 $BO --filter "${SAN_FILTER:-tma}" > "$O/san_$copy.log" 2>&1
   t "memcheck --filter ${SAN_FILTER:-tma} (prefill kernel, $copy) rc=$?"
   tail -2 "$O/san_$copy.log"
 done
-ONLY="${ONLY:-q1024 h32/8 d128 auto,q4096 h32/8 d128 auto,q16384 h32/8 d128 auto,q4096 h32/8 d64,q16384 h32/8 d64,q16384 h32/8 d256,ctx32768 q1024,vit-mha}" \
-  OUT="$O" timeout 400 bash bench/gpu/sweep_prefill_h200.sh "new=$B" "$@" > /dev/null 2>&1
+ONLY="${ONLY:-q1024 h32/8 d128 auto,q4096 h32/8 d128 auto,q16384 h32/8 d128 auto,q4096 h32/8 d64,q16384 h32/8 d64,q4096 h32/8 d256,q16384 h32/8 d256,ctx8192 q1024,ctx32768 q1024,vit-mha}" \
+  OUT="$O" timeout 500 bash bench/gpu/sweep_prefill_h200.sh "new=$B" "$@" > /dev/null 2>&1
 t "sweep rc=$?"
-python3 - "$O/sweep.txt" <<'PY' | tee "$O/sweep_table.txt"
-import re, sys, collections
-best = collections.defaultdict(dict)
-for line in open(sys.argv[1]):
-    m = re.match(r"(\S+) r\d\s+(.*?)\s+[\d.]+ us\s+([\d.]+) TFLOP/s", line)
-    if m:
-        name, label, tf = m.group(1), m.group(2).strip(), float(m.group(3))
-        best[label].setdefault(name, []).append(tf)
-names = sorted({n for v in best.values() for n in v}, key=lambda n: (n != "new", n))
-print("best of the two rounds (TFLOP/s); x = new / other")
-for label, v in best.items():
-    med = {n: sorted(x)[len(x) // 2] for n, x in v.items()}
-    cols = "  ".join(f"{n} {med[n]:6.1f}" for n in names if n in med)
-    ratios = "  ".join(f"x{n} {med['new'] / med[n]:4.2f}" for n in names if n in med and n != "new" and "new" in med)
-    print(f"{label[:60]:60s} {cols}  {ratios}")
-PY
+python3 bench/gpu/sweep_table.py "$O/sweep.txt" | tee "$O/sweep_table.txt"
 timeout 150 "$B/bench/gpu/bench_prefill" --out "$O/ours.json" > "$O/bench.log" 2>&1
 t "bench_prefill rc=$?"
 PYTHONUNBUFFERED=1 timeout 150 python3 bench/gpu/peers_prefill.py --out "$O/peers.json" \

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The prefill experiments on the H200 machine, built there (it has cmake, ninja and nvcc): the
-# persistent Hopper kernel (-DPAGEDATTN_SM90_PERSISTENT=1) checked by backend_ops with every
-# prefill row on it, then timed beside the default build and the pingpong build, one head size
-# (128) each for a short build.
+# persistent Hopper kernel (-DPAGEDATTN_SM90_PERSISTENT=1, one head size (128) for a short
+# build) checked by backend_ops with every prefill row on it, then timed beside the default
+# build and the default build with the pingpong in every CTA (PAGEDATTN_CUDA_PINGPONG_MIN_TILES).
 #
 #   OUT=... bash bench/gpu/experiments_h200.sh [base build dir, default build/cuda-h200]
 #
@@ -21,7 +21,6 @@ variant() {  # name, CUDA flags
   echo "$1 build rc=$?"
 }
 variant persist -DPAGEDATTN_SM90_PERSISTENT=1
-variant pp -DPAGEDATTN_SM90_PINGPONG=1
 for pass in all:Hopper auto:auto; do
   PAGEDATTN_CUDA_PREFILL="${pass%%:*}" timeout 120 build/exp-persist/tests/backend_ops test \
     --device cuda --backend cuda >"$OUT/exp_persist_bo_${pass%%:*}.log" 2>&1
@@ -32,5 +31,5 @@ timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 build/exp-pers
   test --device cuda --backend cuda --filter d=128 >"$OUT/exp_persist_san.log" 2>&1
 echo "persistent memcheck rc=$?: $(tail -n1 "$OUT/exp_persist_san.log")"
 ONLY='h32/8 d128 auto' OUT="$OUT" timeout 300 bash bench/gpu/sweep_prefill_h200.sh \
-  "base=$BASE" persist=build/exp-persist pp=build/exp-pp >/dev/null 2>&1
+  "base=$BASE" persist=build/exp-persist "pp=$BASE@PAGEDATTN_CUDA_PINGPONG_MIN_TILES=1" >/dev/null 2>&1
 cat "$OUT/sweep.txt"

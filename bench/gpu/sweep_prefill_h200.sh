@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Times the same prefill points with several builds of bench_prefill side by side in one device
 # call (a tuning sweep: each build compiled with different experiment macros, e.g.
-# -DPAGEDATTN_SM90_PINGPONG=1 in CMAKE_CUDA_FLAGS), interleaved twice so that clock drift
+# -DPAGEDATTN_SM90_PERSISTENT=1 in CMAKE_CUDA_FLAGS), interleaved twice so that clock drift
 # shows up as a spread rather than as a difference between variants.
 #
-#   ONLY='causal-d128' bash bench/gpu/sweep_prefill_h200.sh base=build/cuda-h200 pp=build/exp-pp
+#   ONLY='causal-d128' bash bench/gpu/sweep_prefill_h200.sh base=build/cuda-h200 persist=build/exp-persist
+#
+# A spec name=dir@VAR=value runs that build with one environment variable set (the same binary
+# under a run-time switch, e.g. cp=build/cuda-h200@PAGEDATTN_CUDA_PREFILL_COPY=cp.async).
 #
 # Writes $OUT/sweep.txt (name, label, us, TFLOP/s per line) and prints it.
 set -uo pipefail
@@ -16,13 +19,17 @@ only=()
 : >"$OUT/sweep.txt"
 for round in 1 2; do
   for spec in "$@"; do
-    name="${spec%%=*}" dir="${spec#*=}"
+    name="${spec%%=*}" dir="${spec#*=}" setenv=()
+    if [[ "$dir" == *@* ]]; then
+      setenv=(env "${dir#*@}")
+      dir="${dir%%@*}"
+    fi
     bin="$dir/bench/gpu/bench_prefill"
     if [ ! -x "$bin" ]; then
       echo "$name: missing $bin" | tee -a "$OUT/sweep.txt"
       continue
     fi
-    timeout 120 "$bin" "${only[@]}" --out "$OUT/sweep_${name}_$round.json" 2>&1 |
+    timeout 120 "${setenv[@]}" "$bin" "${only[@]}" --out "$OUT/sweep_${name}_$round.json" 2>&1 |
       grep -E "TFLOP/s|skipped|error" | sed "s/^/$name r$round  /" | tee -a "$OUT/sweep.txt"
   done
 done

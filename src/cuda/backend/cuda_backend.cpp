@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -81,6 +82,14 @@ BackendOptions backend_options_from_env() {
     require(v == "cp.async" || v == "tma", kPrefillCopyEnvVar, " ('", v,
             "') must be cp.async or tma");
     o.prefill_tma = v == "tma";
+  }
+  if (const char* s = std::getenv(kPingpongEnvVar); s && *s) {
+    const std::string v(s);
+    char* end = nullptr;
+    const long n = std::strtol(s, &end, 10);
+    require(v == "off" || (end && *end == '\0' && n >= 1 && n <= INT_MAX), kPingpongEnvVar, " ('",
+            v, "') must be off or an integer >= 1");
+    o.pingpong_min_tiles = v == "off" ? INT_MAX : int(n);
   }
   if (const char* s = std::getenv(kFp8MathEnvVar); s && *s) {
     const std::string v(s);

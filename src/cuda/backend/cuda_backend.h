@@ -43,6 +43,11 @@ inline constexpr const char* kFp8MathEnvVar = "PAGEDATTN_CUDA_FP8_MATH";
 /// (docs/kernel_notes.md): TMA 0.97-1.01x cp.async at head sizes 128 / 256 and for ViT shapes,
 /// 0.86-0.90x at head size 64, so cp.async stays the default.
 inline constexpr const char* kPrefillCopyEnvVar = "PAGEDATTN_CUDA_PREFILL_COPY";
+/// Environment variable for the Hopper prefill kernel's pingpong between its consumer
+/// warpgroups: a CTA with at least this many K/V tiles takes turns (an integer >= 1), or off.
+inline constexpr const char* kPingpongEnvVar = "PAGEDATTN_CUDA_PINGPONG_MIN_TILES";
+/// The default of kPingpongEnvVar (tiles of 128 keys at head sizes <= 128, 64 above).
+inline constexpr int kPingpongMinTiles = 64;
 
 /// How the MLA kernel copies full tiles (kMlaCopyEnvVar).
 enum class MlaCopy : uint8_t { kAuto, kTma, kCpAsync };
@@ -76,6 +81,9 @@ struct BackendOptions {
   bool fp8_math = true;                        ///< query_quant: fp8 products (kFp8MathEnvVar)
   bool prefill_tma =
       true;  ///< Hopper prefill: full tiles by TMA where possible (kPrefillCopyEnvVar)
+  /// Hopper prefill: CTAs with at least this many tiles run the pingpong (kPingpongEnvVar;
+  /// INT_MAX: never).
+  int pingpong_min_tiles = kPingpongMinTiles;
 };
 
 /// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS, PAGEDATTN_CUDA_PREFILL,

@@ -72,6 +72,10 @@ struct DecodeParams {
   /// 0: every tile by cp.async.
   int kv_tma;
   int kv_tma_rows;  ///< rows per box: min(block_size, the kernel's tile) (kv_direct: the tile)
+  /// Hopper prefill only: a CTA with at least this many K/V tiles runs its consumer
+  /// warpgroups in FA3's pingpong (turns to issue the matrix products); fewer, or the
+  /// persistent variant, without.
+  int pingpong_min_tiles;
   CUtensorMap k_map, v_map;  // 64-byte aligned by their type
 };
 

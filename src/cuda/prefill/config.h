@@ -187,14 +187,6 @@ struct Sm90Traits {
   static constexpr int kProducerRegs = kFp8Math ? 56 : 40;
   static constexpr int kConsumerRegs = kFp8Math ? 224 : 232;
 #endif
-  /// The consumers take turns to issue their wgmmas (FlashAttention-3's warp-scheduler
-  /// barrier), so one's softmax runs while the other's products occupy the tensor cores
-  /// instead of both waiting on the same tile's products at once.
-#ifdef PAGEDATTN_SM90_PINGPONG
-  static constexpr bool kPingpong = PAGEDATTN_SM90_PINGPONG != 0;
-#else
-  static constexpr bool kPingpong = false;
-#endif
   /// Persistent CTAs (experiment, PAGEDATTN_SM90_PERSISTENT=1): one per resident slot, each
   /// walking the work tiles longest first, one tile's epilogue overlapping the next one's loads.
 #ifdef PAGEDATTN_SM90_PERSISTENT
