@@ -45,7 +45,7 @@ for copy in cp.async tma; do
   t "memcheck --filter ${SAN_FILTER:-tma} (prefill kernel, $copy) rc=$?"
   tail -2 "$O/san_$copy.log"
 done
-ONLY="${ONLY:-q1024 h32/8 d128 auto,q4096 h32/8 d128 auto,q16384 h32/8 d128 auto,q4096 h32/8 d64,q16384 h32/8 d64,q4096 h32/8 d256,q16384 h32/8 d256,ctx8192 q1024,ctx32768 q1024,vit-mha}" \
+ONLY="${ONLY:-ctx0 q4096 h32/8 d128 fp8,ctx0 q16384 h32/8 d128 fp8,q1024 h32/8 d128 auto,q4096 h32/8 d128 auto,q16384 h32/8 d128 auto,q4096 h32/8 d64,q16384 h32/8 d64,q4096 h32/8 d256,q16384 h32/8 d256,ctx8192 q1024,ctx32768 q1024,vit-mha}" \
   OUT="$O" timeout 500 bash bench/gpu/sweep_prefill_h200.sh "new=$B" "$@" > /dev/null 2>&1
 t "sweep rc=$?"
 python3 bench/gpu/sweep_table.py "$O/sweep.txt" | tee "$O/sweep_table.txt"
