@@ -109,6 +109,30 @@ TEST(CudaBackendHost, SplitHeuristicFillsTheMachineOnlyWhenNeeded) {
   EXPECT_EQ(cuda::choose_num_splits(none), 1);
 }
 
+TEST(CudaBackendHost, SplitHeuristicWeighsPrefillCtasByTheirOccupancy) {
+  // Chunked prefill, 8 query heads on 1 KV head, over 32k keys: q * 8 rows on 128-row CTAs of
+  // a kernel that holds a whole SM. q1024 (64 CTAs) fills 132 SMs with 2 splits, q256 (16)
+  // with 8; counted as decode CTAs (2 per SM) they took 4 and 15-16.
+  auto chunked = [](int q_len) {
+    cuda::SplitInputs in = inputs(1, 32768 + q_len, q_len);
+    in.num_kv_heads = 1;
+    in.group = 8;
+    in.route_rows = 64;
+    in.prefill_ctas_per_sm = 1;
+    return in;
+  };
+  EXPECT_EQ(cuda::choose_num_splits(chunked(1024)), 2);
+  EXPECT_EQ(cuda::choose_num_splits(chunked(256)), 8);
+  // The same CTAs at the decode kernel's occupancy: the old count, twice the splits.
+  cuda::SplitInputs same = chunked(1024);
+  same.prefill_ctas_per_sm = 0;
+  EXPECT_EQ(cuda::choose_num_splits(same), 4);
+  // Decode rows alone are unaffected by the prefill kernel's occupancy.
+  cuda::SplitInputs decode = inputs(1, 32768);
+  decode.prefill_ctas_per_sm = 1;
+  EXPECT_EQ(cuda::choose_num_splits(decode), cuda::choose_num_splits(inputs(1, 32768)));
+}
+
 TEST(CudaBackendHost, PlanSizesTheWorkspaceForItsSplits) {
   const AttentionConfig c = gqa_config();
   StepMetadata step = MetadataBuilder(16).add({8000, 1, std::vector<int32_t>(501, 1)}).build();

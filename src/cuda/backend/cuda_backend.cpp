@@ -214,7 +214,8 @@ class CudaBackend final : public Backend {
                         : options_.prefill == PrefillRoute::kAll ? 0
                                                                  : prefill::kDecodeMaxRows;
       plan = make_plan(md, config, device_props(device).num_sms, ctas_per_sm(*kernel, device),
-                       route, pk != nullptr ? pk->block_m : 128);
+                       route, pk != nullptr ? pk->block_m : 128,
+                       pk != nullptr ? prefill_ctas_per_sm(*pk, device) : 0);
     }
     if (options_.num_splits > 0 && md.num_actual_tokens > 0) {
       plan->num_splits = options_.num_splits;
@@ -380,6 +381,16 @@ class CudaBackend final : public Backend {
     return it->second;
   }
 
+  int prefill_ctas_per_sm(const prefill::PrefillKernel& kernel, int device) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto [it, inserted] = prefill_occupancy_.try_emplace({&kernel, device}, 0);
+    if (inserted) {
+      ScopedDevice guard(device);
+      it->second = kernel.ctas_per_sm(device);
+    }
+    return it->second;
+  }
+
   int mla_ctas_per_sm(const mla::MlaKernel& kernel, int device) const {
     std::lock_guard<std::mutex> lock(mutex_);
     auto [it, inserted] = mla_occupancy_.try_emplace({&kernel, device}, 0);
@@ -394,6 +405,7 @@ class CudaBackend final : public Backend {
   mutable std::mutex mutex_;
   mutable std::map<std::pair<const mla::MlaKernel*, int>, int> mla_occupancy_;
   mutable std::map<std::pair<const decode::DecodeKernel*, int>, int> occupancy_;
+  mutable std::map<std::pair<const prefill::PrefillKernel*, int>, int> prefill_occupancy_;
 };
 
 }  // namespace

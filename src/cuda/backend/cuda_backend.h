@@ -37,17 +37,20 @@ inline constexpr const char* kMlaCopyEnvVar = "PAGEDATTN_CUDA_MLA_COPY";
 /// reads the quantised query; comparisons).
 inline constexpr const char* kFp8MathEnvVar = "PAGEDATTN_CUDA_FP8_MATH";
 /// Environment variable for how the Hopper prefill kernel brings full K/V tiles of a 16-bit
-/// cache (head sizes that are multiples of 64): cp.async (default: row gathers by the producer
-/// warpgroup) or tma (one box per block and panel when a block holds a power of two >= 8 rows,
-/// and for the key/value tensors of encoder types). Measured on the H200 at block size 16
-/// (docs/kernel_notes.md): TMA 0.97-1.01x cp.async at head sizes 128 / 256 and for ViT shapes,
-/// 0.86-0.90x at head size 64, so cp.async stays the default.
+/// cache (head sizes that are multiples of 64): tma (default: one box per block and panel when a
+/// block holds a power of two >= 8 rows, and for the key/value tensors of encoder types) or
+/// cp.async (row gathers by the producer's K and V halves). Measured on the H200 at block size
+/// 16 with the producer split [bench/results/2026-12-04-h200-pingpong-cee695b.txt]: cp.async
+/// 0.72-0.93x TMA (d128 0.79-0.84x, d256 0.81-0.84x, d64 0.91-0.93x, chunked 0.72-0.75x).
 inline constexpr const char* kPrefillCopyEnvVar = "PAGEDATTN_CUDA_PREFILL_COPY";
 /// Environment variable for the Hopper prefill kernel's pingpong between its consumer
 /// warpgroups: a CTA with at least this many K/V tiles takes turns (an integer >= 1), or off.
 inline constexpr const char* kPingpongEnvVar = "PAGEDATTN_CUDA_PINGPONG_MIN_TILES";
-/// The default of kPingpongEnvVar (tiles of 128 keys at head sizes <= 128, 64 above).
-inline constexpr int kPingpongMinTiles = 64;
+/// The default of kPingpongEnvVar: every CTA. Measured [H200, same binary and call,
+/// bench/results/2026-12-04-h200-pingpong-cee695b.txt] against thresholds of 32 / 64 / 128 tiles
+/// and off (all within 1% of each other): d128 1k-4k +3%, d64 4k +7%, ViT d64 +7-9%, chunked
+/// q1024 over 8k +4%, elsewhere -1 to +2%.
+inline constexpr int kPingpongMinTiles = 1;
 
 /// How the MLA kernel copies full tiles (kMlaCopyEnvVar).
 enum class MlaCopy : uint8_t { kAuto, kTma, kCpAsync };

@@ -9,25 +9,32 @@
 namespace pagedattn::cuda {
 
 int choose_num_splits(const SplitInputs& in) {
-  const int slots = in.num_sms * in.ctas_per_sm;
-  if (slots <= 0) return 1;
+  if (in.num_sms <= 0 || in.ctas_per_sm <= 0) return 1;
+  // Work in units of 1 / (dc * pc) of an SM, so both kernels' CTAs count in integers: a decode
+  // CTA (dc per SM) is pc units, a prefill CTA (pc per SM) dc units. The Hopper prefill kernel
+  // holds a whole SM: weighing its CTAs as decode CTAs over-split chunked prefill [H200,
+  // bench/results/2026-12-04-h200-pingpong-cee695b.txt: h8/1 q256 over 8k-32k 15 splits ran
+  // 0.74-0.85x of 8, q1024 4 splits 0.91-0.97x of 2].
+  const int64_t dc = in.ctas_per_sm;
+  const int64_t pc = in.prefill_ctas_per_sm > 0 ? in.prefill_ctas_per_sm : in.ctas_per_sm;
+  const int64_t slots = int64_t(in.num_sms) * dc * pc;
   int64_t work = 0;
   int max_kv = 0;
   for (size_t r = 0; r < in.q_lens.size(); ++r) {
     if (in.q_lens[r] <= 0) continue;
     const int64_t rows = int64_t(in.q_lens[r]) * in.group;
-    const int64_t per_cta =
-        in.route_rows >= 0 && rows > in.route_rows ? in.prefill_block_m : decode::kRows;
-    work += int64_t(in.num_kv_heads) * ((rows + per_cta - 1) / per_cta);
+    const bool prefill = in.route_rows >= 0 && rows > in.route_rows;
+    const int64_t per_cta = prefill ? in.prefill_block_m : decode::kRows;
+    work += int64_t(in.num_kv_heads) * ((rows + per_cta - 1) / per_cta) * (prefill ? dc : pc);
     max_kv = std::max(max_kv, in.kv_lens[r]);
   }
   if (work == 0) return 1;
   const int s_max = std::clamp(max_kv / decode::kMinSplitTokens, 1, decode::kMaxSplits);
   if (s_max == 1) return 1;
   auto efficiency = [&](int s) {
-    const int64_t ctas = work * s;
-    const int64_t waves = (ctas + slots - 1) / slots;
-    return double(ctas) / double(waves * slots);
+    const int64_t load = work * s;
+    const int64_t waves = (load + slots - 1) / slots;
+    return double(load) / double(waves * slots);
   };
   double best = 0;
   for (int s = 1; s <= s_max; ++s) best = std::max(best, efficiency(s));
@@ -65,7 +72,7 @@ void reserve_query_quant(CudaPlan& plan, const AttentionConfig& config) {
 
 std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& md, const AttentionConfig& config,
                                     int num_sms, int ctas_per_sm, int route_rows,
-                                    int prefill_block_m) {
+                                    int prefill_block_m, int prefill_ctas_per_sm) {
   auto plan = std::make_unique<CudaPlan>();
   plan->num_actual_tokens = md.num_actual_tokens;
   plan->num_heads = config.num_heads;
@@ -85,6 +92,7 @@ std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& md, const Attention
   in.group = config.num_queries_per_kv();
   in.route_rows = route_rows;
   in.prefill_block_m = prefill_block_m;
+  in.prefill_ctas_per_sm = prefill_ctas_per_sm;
   const bool cached = uses_kv_cache(config.attn_type);
   auto at = [](const TensorView& v, int i) {
     return static_cast<const int32_t*>(v.data)[int64_t(i) * v.stride(0)];

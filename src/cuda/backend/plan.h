@@ -36,13 +36,17 @@ struct SplitInputs {
   /// prefill_block_m rows; -1: every request runs on the decode kernel (16 rows per CTA).
   int route_rows = -1;
   int prefill_block_m = 128;
+  /// Resident CTAs of the prefill kernel per SM (the Hopper kernel: 1); 0: ctas_per_sm.
+  int prefill_ctas_per_sm = 0;
 };
 
 /// The number of KV splits (flash-decoding). CTAs without splitting:
 /// work = sum over requests of num_kv_heads * ceil(q_len * G / rows per CTA) (16 on the decode
-/// kernel, prefill_block_m on the prefill kernel). Splits multiply it; the
-/// choice is the smallest s in [1, s_max] whose wave efficiency
-///   eff(s) = work*s / (slots * ceil(work*s / slots)),  slots = num_sms * ctas_per_sm,
+/// kernel, prefill_block_m on the prefill kernel), each CTA weighted by the share of an SM it
+/// holds (1 / ctas_per_sm on the decode kernel, 1 / prefill_ctas_per_sm on the prefill
+/// kernel). Splits multiply it; the choice is the smallest s in [1, s_max] whose wave
+/// efficiency
+///   eff(s) = work*s / (num_sms * ceil(work*s / num_sms))
 /// reaches 90% of the best over that range, where s_max keeps >= kMinSplitTokens keys per
 /// split of the longest request and at most kMaxSplits. A batch that already fills the
 /// machine (eff(1) high) stays unsplit; one long request on 8 KV heads gets ~16-33 splits.
@@ -60,9 +64,10 @@ void reserve_query_quant(CudaPlan& plan, const AttentionConfig& config);
 
 /// Builds the plan for `metadata` and `config` on a device with `num_sms` SMs holding
 /// `ctas_per_sm` CTAs of the kernel that will run (0 = unknown: no splitting).
-/// `route_rows` and `prefill_block_m` as in SplitInputs.
+/// `route_rows`, `prefill_block_m` and `prefill_ctas_per_sm` as in SplitInputs.
 std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& metadata,
                                     const AttentionConfig& config, int num_sms, int ctas_per_sm,
-                                    int route_rows = -1, int prefill_block_m = 128);
+                                    int route_rows = -1, int prefill_block_m = 128,
+                                    int prefill_ctas_per_sm = 0);
 
 }  // namespace pagedattn::cuda

@@ -8,20 +8,23 @@
 //   grid      as the portable kernel: x = q tiles (slowest, reversed) x requests x KV heads,
 //             y = splits; kBlockM = 128 packed rows per CTA, 384 threads.
 //   warps     warpgroup 0 (producer, 40 registers): Q once, then the K and the V tile of
-//             kBlockN keys into two-stage rings of their own. With PAGEDATTN_CUDA_PREFILL_COPY
-//             =tma, full tiles of a 16-bit cache (head sizes that are multiples of 64, block
-//             sizes powers of two >= 8, or an encoder's key tensor) come by TMA: one box per
-//             block and panel, issued by the lanes of warp 0, completing on the stage's `full`
-//             mbarrier by transaction count (measured no faster). Otherwise: row byte offsets
-//             from the block table into a smem table (one row per thread), a named barrier,
-//             then 16-byte cp.async of every row's chunks into 128-byte-swizzled panels, whose
-//             completion arrives on the same barrier (cp.async.mbarrier.arrive.noinc: the
-//             producer never waits for its own copies).
+//             kBlockN keys into two-stage rings of their own. 16-bit caches: warps 0-1 bring
+//             K and warps 2-3 V, each half on its own loop. Full tiles (head sizes that are
+//             multiples of 64, block sizes powers of two >= 8, or an encoder's key tensor)
+//             come by TMA (the default; PAGEDATTN_CUDA_PREFILL_COPY=cp.async turns it off):
+//             one box per block and panel, issued by the lanes of the half's first warp,
+//             completing on the stage's `full` mbarrier by transaction count. Otherwise: row
+//             byte offsets from the block table into a smem table, a named barrier of the
+//             half, then 16-byte cp.async of every row's chunks into 128-byte-swizzled panels,
+//             whose completion arrives on the same barrier (cp.async.mbarrier.arrive.noinc:
+//             the producer never waits for its own copies). fp8 caches: all 128 threads bring
+//             K and V (staged raw, then widened or, for the fp8 products, V transposed).
 //             Warpgroups 1-2 (consumers, 232 registers) own 64 rows each and overlap the
 //             tensor cores with the softmax as FlashAttention-3 does: iteration j issues
 //             S_j = Q K_j^T (wgmma SS) and then O += P_{j-1} V_{j-1} (wgmma RS, V MN-major),
 //             waits for S_j only, runs the softmax of S_j (the portable kernel's, on the same
-//             fragment layout) while P V runs, then waits for P V, rescales O and packs P_j.
+//             fragment layout) while P V runs, then waits for P V, rescales O and packs P_j;
+//             the two warpgroups take turns to issue (FA3's pingpong).
 //             K_j is released as soon as S_j is done, V_{j-1} after its P V: the producer
 //             refills K a whole iteration before it is read.
 //   sync      mbarriers through CCCL's cuda::ptx (phases flip every kStages tiles); each
@@ -69,29 +72,27 @@ struct TileSeq {
   bool first = true;
 };
 
-// fp8 products: the producer's halves (see produce). The K half (warps 0-1) copies K rows raw
-// (e4m3) into the K panel by cp.async, as the 16-bit kernel copies them. fp8 wgmma reads B only
-// K-major, so the V half (warps 2-3) stages V [keys][head dims] raw (cp.async into a swizzled
-// buffer, two of them alternating) and transposes it into Vt [head dims][keys]: each thread
-// turns a 4-key x 4-dim block of bytes (four 32-bit reads) into four 32-bit words with byte
-// permutes. Within each 16 keys the transposed row holds keys in the order the consumers' P
-// registers hold them (pack_p_e4m3): position 4 t + e <- key 2 t + (e & 1) + 8 (e >> 1), so P
-// needs no shuffle. Lanes split as 8 (dims) x 4 (keys), and each rotates which of its four
-// words it stores first, so the reads and the stores both hit 32 distinct banks.
-template <class T, class FillHalf>
+// fp8 products: the producer's loop. K rows land raw (e4m3) in the K panel by cp.async, as the
+// 16-bit kernel copies them. fp8 wgmma reads B only K-major, so V [keys][head dims] is staged
+// raw (cp.async into a swizzled buffer, two of them alternating) and transposed by the
+// producer into Vt [head dims][keys]: each thread turns a 4-key x 4-dim block of bytes
+// (four 32-bit reads) into four 32-bit words with byte permutes. Within each 16 keys the
+// transposed row holds keys in the order the consumers' P registers hold them (pack_p_e4m3):
+// position 4 t + e <- key 2 t + (e & 1) + 8 (e >> 1), so P needs no shuffle. Lanes split as
+// 8 (dims) x 4 (keys), and each rotates which of its four words it stores first, so the reads
+// and the stores both hit 32 distinct banks.
+template <class T, class FillTable>
 __device__ __forceinline__ void produce_fp8_math(unsigned char* smem, Barriers<T::kStages> bars,
                                                  int n_tiles, int it0, const char* k_head,
-                                                 const char* v_head, FillHalf& fill_half) {
+                                                 const char* v_head, FillTable& fill_table) {
   constexpr int D = T::head_size, kBlockN = T::kBlockN, kStages = T::kStages;
   constexpr int kChunks = D / 16;  // 16-byte chunks of a row's codes
   constexpr int kLanes = kChunks <= 4 ? 4 : 8;
-  constexpr int kRowsPerPass = 64 / kLanes;
+  constexpr int kRowsPerPass = 128 / kLanes;
   static_assert(kBlockN % kRowsPerPass == 0 && kBlockN % 16 == 0 && kBlockN <= 128);
   constexpr Sm90Layout lay = T::layout();
   const int ct = int(threadIdx.x);
-  const bool v_half = ct >= 64;
-  const int ht = ct & 63;
-  const int col = ht % kLanes, r0 = ht / kLanes;
+  const int col = ct % kLanes, r0 = ct / kLanes;
   // Every chunk of the tile's rows into a 128-byte-swizzled [kBlockN][128] buffer.
   auto copy_rows = [&](uint32_t dst0, const char* head, const int64_t* table, int pick) {
     if (col >= kChunks) return;
@@ -102,30 +103,19 @@ __device__ __forceinline__ void produce_fp8_math(unsigned char* smem, Barriers<T
                         head + table[2 * row + pick] + col * 16, 16, 0);
     }
   };
-  if (!v_half) {
-    for (int j = 0; j < n_tiles; ++j) {
-      const int s = (it0 + j) % kStages;
-      const int64_t* const table = fill_half(j);
-      mbar_wait(bars.k_empty(s), (((it0 + j) / kStages) & 1) ^ 1);  // tile j - kStages released
-      copy_rows(sm80::smem_addr(smem + lay.stage_offset + s * lay.stage_bytes), k_head, table, 0);
-      ptx::cp_async_mbarrier_arrive_noinc(bars.k_full(s));
-    }
-    sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
-    return;
-  }
-  constexpr int kW = 2;  // warps of the V half
-  const int warp = ht >> 5, wl = ht & 7, t = (ht >> 3) & 3;
+  const int warp = ct >> 5, wl = ct & 7, t = (ct >> 3) & 3;
   const int rot = (wl >> 1) & 3;
   const uint32_t rot_sel = uint32_t(rot) | uint32_t((rot + 1) & 3) << 4 |
                            uint32_t((rot + 2) & 3) << 8 | uint32_t((rot + 3) & 3) << 12;
   constexpr int kDimGroups = D / 32;        // 8 words (32 dims) each
   constexpr int kKeyGroups = kBlockN / 16;  // 16 keys each: one 16-byte chunk of a Vt row
-  // Where the warps divide the dim groups (d64, d128) a warp keeps its dims over the key
-  // groups, so every address is a per-thread base plus a constant: ncu showed the producer
-  // issue-bound (consumers waiting on V's `full` for 20% of their samples) with the addresses
-  // recomputed.
-  constexpr bool kFixedDims = kDimGroups % kW == 0;
-  constexpr int kPer = kFixedDims ? kDimGroups / kW : 1;  // dim groups of a warp
+  // Where 4 divides into dim groups (d64, d128) a warp keeps its dims over the key groups,
+  // so every address is a per-thread base plus a constant: ncu showed the producer issue-bound
+  // (consumers waiting on V's `full` for 20% of their samples) with the addresses recomputed.
+  constexpr bool kFixedDims = 4 % kDimGroups == 0;
+  constexpr int kDg = kFixedDims ? 4 / kDimGroups : 1;  // key-group step of a warp
+  const int dg0 = kFixedDims ? warp % kDimGroups : 0;
+  const int kg0 = kFixedDims && kDimGroups < 4 ? warp / kDimGroups : 0;
   // Read offsets of keys kb + {0, 1, 8, 9} (kb = 16 kg + 2 t: a key's swizzle row is
   // (2 t + e) & 7 whatever kg) and store offsets of dims 4 w + (i + rot) & 3 at chunk 0 (the
   // key group's chunk is XORed in), both relative to key group 0.
@@ -153,22 +143,16 @@ __device__ __forceinline__ void produce_fp8_math(unsigned char* smem, Barriers<T
 #pragma unroll
     for (int i = 0; i < 4; ++i) sm80::sts32(vt + (st[i] ^ uint32_t(kg << 4)), out[i]);
   };
-  uint32_t rd0[kPer][4], st0[kPer][4];
-  if constexpr (kFixedDims) {
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) offsets(8 * (warp + kW * i) + wl, rd0[i], st0[i]);
-  }
+  uint32_t rd0[4], st0[4];
+  offsets(8 * dg0 + wl, rd0, st0);
   auto transpose_v = [&](const unsigned char* raw_p, unsigned char* vt_p) {
     const uint32_t raw = sm80::smem_addr(raw_p), vt = sm80::smem_addr(vt_p);
     if constexpr (kFixedDims) {
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-#pragma unroll
-        for (int kg = 0; kg < kKeyGroups; ++kg) one_block(raw, vt, kg, rd0[i], st0[i]);
-      }
+      for (int i = 0; i < kKeyGroups / kDg; ++i) one_block(raw, vt, kg0 + i * kDg, rd0, st0);
     } else {
 #pragma unroll 2
-      for (int j = warp; j < kDimGroups * kKeyGroups; j += kW) {
+      for (int j = warp; j < kDimGroups * kKeyGroups; j += 4) {
         const int kg = j / kDimGroups;
         uint32_t rd[4], st[4];
         offsets(8 * (j - kg * kDimGroups) + wl, rd, st);
@@ -177,18 +161,32 @@ __device__ __forceinline__ void produce_fp8_math(unsigned char* smem, Barriers<T
     }
   };
   const uint32_t raw0 = sm80::smem_addr(smem + lay.raw_offset);
+  auto copy_k = [&](int j, const int64_t* table) {
+    const int s = (it0 + j) % kStages;
+    mbar_wait(bars.k_empty(s), (((it0 + j) / kStages) & 1) ^ 1);  // tile j - kStages released
+    copy_rows(sm80::smem_addr(smem + lay.stage_offset + s * lay.stage_bytes), k_head, table, 0);
+    ptx::cp_async_mbarrier_arrive_noinc(bars.k_full(s));
+  };
   auto stage_v = [&](int j, const int64_t* table) {
     copy_rows(raw0 + ((it0 + j) & 1) * kBlockN * 128, v_head, table, 1);
   };
-  if (n_tiles > 0) stage_v(0, fill_half(0));
+  if (n_tiles > 0) {
+    const int64_t* const table = fill_table(0);
+    copy_k(0, table);
+    stage_v(0, table);
+  }
   sm80::cp_async_commit();
   for (int j = 0; j < n_tiles; ++j) {
-    // The staged V of tile j + 1 goes out before tile j's is transposed. The staging buffer it
-    // overwrites was read by tile j - 1's transpose: fill_half's barrier orders the two.
-    if (j + 1 < n_tiles) stage_v(j + 1, fill_half(j + 1));
+    // K and the staged V of tile j + 1 go out before tile j's V is transposed. The staging
+    // buffer stage_v overwrites was read two tiles ago: fill_table's barrier orders the two.
+    if (j + 1 < n_tiles) {
+      const int64_t* const table = fill_table(j + 1);
+      copy_k(j + 1, table);
+      stage_v(j + 1, table);
+    }
     sm80::cp_async_commit();
-    sm80::cp_async_wait<1>();             // this thread's V_j rows landed
-    sm90::named_barrier_sync(4 + 1, 64);  // ... and every V-half thread's
+    sm80::cp_async_wait<1>();          // this thread's V_j rows landed
+    sm90::named_barrier_sync(1, 128);  // ... and every producer thread's
     const int s = (it0 + j) % kStages;
     mbar_wait(bars.v_empty(s), (((it0 + j) / kStages) & 1) ^ 1);
     transpose_v(smem + lay.raw_offset + ((it0 + j) & 1) * kBlockN * 128,
@@ -273,10 +271,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const Barriers<T::kStages> bars{reinterpret_cast<uint64_t*>(smem + lay.bar_offset)};
   if (threadIdx.x == 0) {
     ptx::mbarrier_init(bars.q_full(), 128);
+    // One arrival per producer thread that brings the tile: the 16-bit producer splits into a
+    // K half and a V half of 64 threads, the fp8 producers bring both with all 128.
+    constexpr int kFullArrivals = T::kv == KVKind::kSame && !T::kFp8Math ? 64 : 128;
     for (int s = 0; s < T::kStages; ++s) {
-      // One arrival per thread of the producer's K or V half (64 each, see produce).
-      ptx::mbarrier_init(bars.k_full(s), 64);
-      ptx::mbarrier_init(bars.v_full(s), 64);
+      ptx::mbarrier_init(bars.k_full(s), kFullArrivals);
+      ptx::mbarrier_init(bars.v_full(s), kFullArrivals);
       ptx::mbarrier_init(bars.k_empty(s), 128 * T::kConsumers);
       ptx::mbarrier_init(bars.v_empty(s), 128 * T::kConsumers);
     }
@@ -322,44 +322,42 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   }
 }
 
-// fp8 caches: one half's loop (the K half warps 0-1, the V half warps 2-3, see produce). Each
-// thread copies its own 16-byte chunks of codes (16 keys' worth of one row) into the half's
-// staging buffer with cp.async, waits for them, and widens them exactly (decode::Fp8Widen:
-// k_scale and v_scale stay in the softmax scale and the output factor) into two 16-byte chunks
-// of the swizzled panels; no other thread reads what it staged, so no barrier is needed
-// between copy and widening. Tile j + 1 is staged as soon as tile j is widened, and lands
-// while the half waits for its next stage to be released.
-template <class T, class FillHalf>
+// fp8 caches: the producer's loop. Each thread copies its own 16-byte chunks of codes (16
+// keys' worth of one row) into the staging buffer with cp.async, waits for them, and widens them
+// exactly (decode::Fp8Widen: k_scale and v_scale stay in the softmax scale and the output
+// factor) into two 16-byte chunks of the swizzled panels; no other thread reads what it
+// staged, so no barrier is needed between copy and widening. The next tile's K is copied
+// while this tile's V is widened, and its V while the next K is, so a copy's latency is
+// hidden behind one widening.
+template <class T, class FillTable>
 __device__ __forceinline__ void produce_fp8(const DecodeParams& p, unsigned char* smem,
                                             Barriers<T::kStages> bars, int n_tiles, int it0,
                                             const char* k_head, const char* v_head,
-                                            FillHalf& fill_half) {
+                                            FillTable& fill_table) {
   constexpr int D = T::head_size, kBlockN = T::kBlockN, kStages = T::kStages;
   constexpr int kRaw = D / 16;  // 16-byte chunks of codes per row
   constexpr int kLanes = kRaw <= 4 ? 4 : kRaw <= 8 ? 8 : 16;
-  constexpr int kRowsPerPass = 64 / kLanes;
+  constexpr int kRowsPerPass = 128 / kLanes;
   static_assert(kRaw <= kLanes && kBlockN % kRowsPerPass == 0);
   constexpr Sm90Layout lay = T::layout();
   const int ct = int(threadIdx.x);
-  const int which = ct >= 64 ? 1 : 0;  // the V half
-  const int ht = ct & 63;
-  const int col = ht % kLanes, r0 = ht / kLanes;
+  const int col = ct % kLanes, r0 = ct / kLanes;
   const bool copies = col < kRaw;
-  const char* const head = which ? v_head : k_head;
   // Widened, the chunk is 16-bit chunks 2 col and 2 col + 1 of the row: one panel.
   const int c16 = 2 * col;
   const uint32_t panel_at = (c16 >> 3) * lay.kv_panel;
-  const uint32_t raw0 = sm80::smem_addr(smem + lay.raw_offset) + which * kBlockN * D + col * 16;
+  const uint32_t raw0 = sm80::smem_addr(smem + lay.raw_offset) + col * 16;
   const decode::Fp8Widen<T::act> widen(p.kv_dtype == int(DType::kFp8E5M2));
-  auto stage_codes = [&](const int64_t* table) {
+  auto stage_codes = [&](int which, const char* head, const int64_t* table) {
     if (!copies) return;
+    const uint32_t dst0 = raw0 + which * kBlockN * D;
 #pragma unroll 4
     for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
       const int row = r0 + i * kRowsPerPass;
-      sm80::cp_async_16(raw0 + row * D, head + table[2 * row + which] + col * 16, 16, 0);
+      sm80::cp_async_16(dst0 + row * D, head + table[2 * row + which] + col * 16, 16, 0);
     }
   };
-  auto widen_codes = [&](unsigned char* panels) {
+  auto widen_codes = [&](int which, unsigned char* panels) {
     if (copies) {
       const unsigned char* raw = smem + lay.raw_offset + which * kBlockN * D + col * 16;
       unsigned char* const dst = panels + panel_at;
@@ -383,15 +381,29 @@ __device__ __forceinline__ void produce_fp8(const DecodeParams& p, unsigned char
     }
     ptx::fence_proxy_async(ptx::space_shared);  // generic stores, then the wgmmas read them
   };
-  if (n_tiles > 0) stage_codes(fill_half(0));
-  sm80::cp_async_commit();
+  if (n_tiles > 0) {
+    const int64_t* const table = fill_table(0);
+    stage_codes(0, k_head, table);
+    sm80::cp_async_commit();
+    stage_codes(1, v_head, table);
+    sm80::cp_async_commit();
+  }
   for (int j = 0; j < n_tiles; ++j) {
     const int s = (it0 + j) % kStages;
-    sm80::cp_async_wait<0>();  // this thread's codes of tile j staged
-    mbar_wait(which ? bars.v_empty(s) : bars.k_empty(s), (((it0 + j) / kStages) & 1) ^ 1);
-    widen_codes(smem + lay.stage_offset + s * lay.stage_bytes + which * T::kPanels * lay.kv_panel);
-    ptx::mbarrier_arrive(which ? bars.v_full(s) : bars.k_full(s));
-    if (j + 1 < n_tiles) stage_codes(fill_half(j + 1));
+    const uint32_t free_parity = (((it0 + j) / kStages) & 1) ^ 1;  // tile j - kStages released
+    unsigned char* const sk = smem + lay.stage_offset + s * lay.stage_bytes;
+    sm80::cp_async_wait<1>();  // K_j staged (V_j may still be in flight)
+    mbar_wait(bars.k_empty(s), free_parity);
+    widen_codes(0, sk);
+    ptx::mbarrier_arrive(bars.k_full(s));
+    const int64_t* const next = j + 1 < n_tiles ? fill_table(j + 1) : nullptr;
+    if (next != nullptr) stage_codes(0, k_head, next);
+    sm80::cp_async_commit();
+    sm80::cp_async_wait<1>();  // V_j staged
+    mbar_wait(bars.v_empty(s), free_parity);
+    widen_codes(1, sk + T::kPanels * lay.kv_panel);
+    ptx::mbarrier_arrive(bars.v_full(s));
+    if (next != nullptr) stage_codes(1, v_head, next);
     sm80::cp_async_commit();
   }
 }
@@ -430,20 +442,62 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   const KvRows kv(p, w, T::kKvBytes);
   const char* const k_head = kv.k_head;
   const char* const v_head = kv.v_head;
-  // Every producer splits into a K half (warps 0-1) and a V half (warps 2-3), each on its own
+  // Tile j's rows' byte offsets {K, V} into table slot j % kTableSlots, then a barrier of the
+  // producer warpgroup. Rows past the split read the split's last key instead (its bytes are
+  // finite: its scores are masked and its P is 0), so the copies need no zero-fill predicate.
+  // kStages + 1 slots: the V copies of tile j read slot j while tile j + 1's K is already
+  // issued, and only the barrier of tile j + 2's fill stands between them and slot j's reuse.
+  auto fill_table = [&](int j) {
+    // Persistent: tiles that came by TMA (no fill, no barrier) may stand between this fill and
+    // the last reads of the slot it overwrites; a barrier first keeps every producer thread's
+    // earlier reads ahead of the writes.
+    if constexpr (T::kPersistent) sm90::named_barrier_sync(1, 128);
+    int64_t* const table = reinterpret_cast<int64_t*>(smem + lay.table_offset) +
+                           ((it0 + j) % T::kTableSlots) * 2 * kBlockN;
+    if (ct < kBlockN) {
+      const int pos = min(w.kv_begin + j * kBlockN + ct, w.kv_end - 1);
+      int64_t k_off, v_off;
+      kv.offsets(p, w, pos, k_off, v_off);
+      table[2 * ct] = k_off;
+      table[2 * ct + 1] = v_off;
+    }
+    sm90::named_barrier_sync(1, 128);
+    return table;
+  };
+  if constexpr (T::kFp8Math) {
+    produce_fp8_math<T>(smem, bars, n_tiles, it0, k_head, v_head, fill_table);
+    return;
+  } else if constexpr (T::kv == KVKind::kFp8) {
+    produce_fp8<T>(p, smem, bars, n_tiles, it0, k_head, v_head, fill_table);
+    return;
+  }
+  // 16-bit caches: warps 0-1 bring the K tiles and warps 2-3 the V tiles, each half on its own
   // loop, so a V tile goes out as soon as its stage is free. With one loop (K_{j+1}, then V_j)
   // V waited behind K's `empty` barrier, i.e. for the slower consumer warpgroup's S; ncu
   // [d128 16k, commit 605847d]: the consumers' poll of V's `full` 15% of the samples and the
-  // producer's poll of K's `empty` 12%. Measured with the 16-bit producer [H200, 56ab153]:
-  // +5-19% (docs/kernel_notes.md).
+  // producer's poll of K's `empty` 12%.
   static_assert(2 + T::kConsumers <= 4, "named barriers 4 / 5 follow the consumers' turns");
   const bool v_half = ct >= 64;
   const int ht = ct & 63;
   const int pick = v_half ? 1 : 0;
-  // This half's offsets (K's or V's) of tile j's rows into table slot j % kTableSlots, then a
-  // barrier of the half (named barrier 4 or 5). Rows past the split read the split's last key
-  // instead (its bytes are finite: its scores are masked and its P is 0), so the copies need
-  // no zero-fill predicate. Each half reads only what it wrote, and its barrier of tile j + 1
+  const char* const head = v_half ? v_head : k_head;
+  // Thread ht copies chunk column ht % kLanes of rows ht / kLanes + i * kRowsPerPass: its
+  // column, panel and (for passes of 8 or 16 rows) swizzle stay fixed, so a chunk costs one
+  // table read, one add and the copy (the per-chunk index math was most of the producer's
+  // ALU work: ncu showed the ALU pipe as the busiest at 36%). Head sizes whose chunk count is
+  // not a power of two (80, 96, 192) give each row the next power of two of lanes and leave
+  // the extra lanes idle.
+  constexpr int kLanes = kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
+  constexpr int kRowsPerPass = 64 / kLanes;
+  static_assert(kChunks <= kLanes && kBlockN % kRowsPerPass == 0);
+  const int col = ht % kLanes, r0 = ht / kLanes;
+  const bool copies = col < kChunks;
+  const uint32_t col_at = (col >> 3) * lay.kv_panel;
+  const int col_bytes = col * 16;
+  // This half's offsets (K's or V's) of tile j into table slot j % kTableSlots, then a barrier
+  // of the half (named barrier 4 or 5). Rows past the split read the split's last key instead
+  // (its bytes are finite: its scores are masked and its P is 0), so the copies need no
+  // zero-fill predicate. Each half reads only what it wrote, and its barrier of tile j + 1
   // stands between its reads of slot j and the slot's reuse at tile j + kTableSlots.
   auto fill_half = [&](int j) {
     // Persistent: tiles that came by TMA (no fill, no barrier) may stand between this fill and
@@ -460,27 +514,6 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
     sm90::named_barrier_sync(4 + pick, 64);
     return table;
   };
-  if constexpr (T::kFp8Math) {
-    produce_fp8_math<T>(smem, bars, n_tiles, it0, k_head, v_head, fill_half);
-    return;
-  } else if constexpr (T::kv == KVKind::kFp8) {
-    produce_fp8<T>(p, smem, bars, n_tiles, it0, k_head, v_head, fill_half);
-    return;
-  }
-  const char* const head = v_half ? v_head : k_head;
-  // Thread ht copies chunk column ht % kLanes of rows ht / kLanes + i * kRowsPerPass: its
-  // column, panel and (for passes of 8 or 16 rows) swizzle stay fixed, so a chunk costs one
-  // table read, one add and the copy (the per-chunk index math was most of the producer's
-  // ALU work: ncu showed the ALU pipe as the busiest at 36%). Head sizes whose chunk count is
-  // not a power of two (80, 96, 192) give each row the next power of two of lanes and leave
-  // the extra lanes idle.
-  constexpr int kLanes = kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
-  constexpr int kRowsPerPass = 64 / kLanes;
-  static_assert(kChunks <= kLanes && kBlockN % kRowsPerPass == 0);
-  const int col = ht % kLanes, r0 = ht / kLanes;
-  const bool copies = col < kChunks;
-  const uint32_t col_at = (col >> 3) * lay.kv_panel;
-  const int col_bytes = col * 16;
   auto copy_tile = [&](unsigned char* dst, const int64_t* table) {
     if (!copies) return;
     const uint32_t dst0 = sm80::smem_addr(dst) + col_at;
@@ -574,17 +607,9 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   // The warpgroup index through a shuffle, as CUTLASS does: ptxas then knows it is uniform and
   // builds the wgmma descriptors (Q's base depends on it) in uniform registers, instead of
   // computing them per thread and moving each into uniform registers (48 R2UR per tile).
-  // Measured [H200, bench/results/2026-12-03-h200-tma-605847d.txt, same-call A/B against
-  // cb11792]: 16-bit d128 / d256 +2-6%, fp8 products d64 / d128 +1-4%, but 16-bit d64 -10%
-  // (its spin loops lose their YIELDs; the d64 consumers wait on the producer most), so the
-  // 16-bit kernels below head size 128 keep the plain index.
-#ifdef PAGEDATTN_SM90_UNIFORM_WG_ALL  // experiments: the shuffle at every head size
-  constexpr bool kUniformWg = true;
-#else
-  constexpr bool kUniformWg = D >= 128 || T::kFp8Math;
-#endif
-  const int wg =
-      kUniformWg ? __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0) : int(threadIdx.x) / 128;
+  // Measured [H200]: d128 / d256 +2-6% (2026-12-03-h200-tma-605847d.txt), d64 +0-3%
+  // (2026-12-04-h200-pingpong-cee695b.txt).
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0);
   const int ct = int(threadIdx.x) % 128;
   const int cw = wg - 1;  // consumer warpgroup: rows 64 cw .. 64 cw + 63
   const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
@@ -610,9 +635,9 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   // the other's products occupy the tensor cores. Named barrier 2 + c is warpgroup c's turn;
   // each takes its turn once per tile (computed or skipped, so the counts always pair up),
   // issues, and hands the turn on; warpgroup 0 holds the first. Per CTA, from the number of its
-  // tiles (the same for both warpgroups): measured [H200, docs/kernel_notes.md], turns gain on
-  // long rows and lose on short ones. Not in the persistent variant, where a work tile without
-  // turns would leave the last hand-over of the one before unpaired.
+  // tiles (the same for both warpgroups; DecodeParams::pingpong_min_tiles, by default every
+  // CTA). Not in the persistent variant, where a work tile without turns would leave the last
+  // hand-over of the one before unpaired.
   const bool pingpong = !T::kPersistent && n_tiles >= p.pingpong_min_tiles;
   auto turn_begin = [&] {
     if (pingpong) sm90::named_barrier_sync(2 + cw, 256);
