@@ -198,8 +198,8 @@ class CudaBackend final : public Backend {
             : nullptr;
     if (mla_kernel != nullptr && device < visible_device_count()) {
       // Every request's rows on CTAs of mla::kBlockM (route_rows 0: the "prefill" row count).
-      plan = make_plan(md, config, device_props(device).num_sms,
-                       mla_ctas_per_sm(*mla_kernel, device), 0, mla::kBlockM);
+      plan = make_plan(md, config, device_props(device).num_sms, ctas_per_sm(*mla_kernel, device),
+                       0, mla::kBlockM);
     } else if (kernel == nullptr || device >= visible_device_count()) {
       plan = make_plan(md, config, 0, 0);  // nothing to run on: an unsplit plan
     } else {
@@ -215,7 +215,7 @@ class CudaBackend final : public Backend {
                                                                  : prefill::kDecodeMaxRows;
       plan = make_plan(md, config, device_props(device).num_sms, ctas_per_sm(*kernel, device),
                        route, pk != nullptr ? pk->block_m : 128,
-                       pk != nullptr ? prefill_ctas_per_sm(*pk, device) : 0);
+                       pk != nullptr ? ctas_per_sm(*pk, device) : 0);
     }
     if (options_.num_splits > 0 && md.num_actual_tokens > 0) {
       plan->num_splits = options_.num_splits;
@@ -370,30 +370,11 @@ class CudaBackend final : public Backend {
     return float(m);
   }
 
-  // Occupancy of a kernel on a device, queried once.
-  int ctas_per_sm(const decode::DecodeKernel& kernel, int device) const {
+  // Occupancy of a kernel (decode, prefill or MLA: its ctas_per_sm) on a device, queried once.
+  template <class Kernel>
+  int ctas_per_sm(const Kernel& kernel, int device) const {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto [it, inserted] = occupancy_.try_emplace({&kernel, device}, 0);
-    if (inserted) {
-      ScopedDevice guard(device);
-      it->second = kernel.ctas_per_sm(device);
-    }
-    return it->second;
-  }
-
-  int prefill_ctas_per_sm(const prefill::PrefillKernel& kernel, int device) const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto [it, inserted] = prefill_occupancy_.try_emplace({&kernel, device}, 0);
-    if (inserted) {
-      ScopedDevice guard(device);
-      it->second = kernel.ctas_per_sm(device);
-    }
-    return it->second;
-  }
-
-  int mla_ctas_per_sm(const mla::MlaKernel& kernel, int device) const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto [it, inserted] = mla_occupancy_.try_emplace({&kernel, device}, 0);
+    auto [it, inserted] = occupancy_.try_emplace({static_cast<const void*>(&kernel), device}, 0);
     if (inserted) {
       ScopedDevice guard(device);
       it->second = kernel.ctas_per_sm(device);
@@ -403,9 +384,7 @@ class CudaBackend final : public Backend {
 
   BackendOptions options_;
   mutable std::mutex mutex_;
-  mutable std::map<std::pair<const mla::MlaKernel*, int>, int> mla_occupancy_;
-  mutable std::map<std::pair<const decode::DecodeKernel*, int>, int> occupancy_;
-  mutable std::map<std::pair<const prefill::PrefillKernel*, int>, int> prefill_occupancy_;
+  mutable std::map<std::pair<const void*, int>, int> occupancy_;  // kernel, device
 };
 
 }  // namespace
