@@ -90,7 +90,8 @@ struct BackendOptions {
 };
 
 /// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS, PAGEDATTN_CUDA_PREFILL,
-/// PAGEDATTN_CUDA_PREFILL_KERNEL, PAGEDATTN_CUDA_DECODE_COPY and PAGEDATTN_CUDA_MLA.
+/// PAGEDATTN_CUDA_PREFILL_KERNEL, PAGEDATTN_CUDA_DECODE_COPY, PAGEDATTN_CUDA_MLA, the MLA copy,
+/// fp8-math, prefill-copy and pingpong variables above.
 BackendOptions backend_options_from_env();
 
 std::unique_ptr<Backend> make_backend(const BackendOptions& options = backend_options_from_env());
