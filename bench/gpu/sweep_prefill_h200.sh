@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Times the same prefill points with several builds of bench_prefill side by side in one device
-# call (a tuning sweep: each build compiled with different experiment macros, e.g.
-# -DPAGEDATTN_SM90_PERSISTENT=1 in CMAKE_CUDA_FLAGS), interleaved twice so that clock drift
-# shows up as a spread rather than as a difference between variants.
+# call (a tuning sweep: each build compiled with different experiment macros, or the same
+# binary under run-time switches), interleaved twice so that clock drift shows up as a spread
+# rather than as a difference between variants.
 #
-#   ONLY='causal-d128' bash bench/gpu/sweep_prefill_h200.sh base=build/cuda-h200 persist=build/exp-persist
+#   ONLY='causal-d128' bash bench/gpu/sweep_prefill_h200.sh base=build/ab/base new=build/cuda-h200
 #
-# A spec name=dir@VAR=value runs that build with one environment variable set (the same binary
-# under a run-time switch, e.g. cp=build/cuda-h200@PAGEDATTN_CUDA_PREFILL_COPY=cp.async).
+# A spec name=dir@VAR=value[@VAR=value...] runs that build with those environment variables set
+# (e.g. cp=build/cuda-h200@PAGEDATTN_CUDA_PREFILL_COPY=cp.async).
 #
 # Writes $OUT/sweep.txt (name, label, us, TFLOP/s per line) and prints it.
 set -uo pipefail
@@ -21,7 +21,8 @@ for round in 1 2; do
   for spec in "$@"; do
     name="${spec%%=*}" dir="${spec#*=}" setenv=()
     if [[ "$dir" == *@* ]]; then
-      setenv=(env "${dir#*@}")
+      IFS=@ read -ra vars <<<"${dir#*@}"
+      setenv=(env "${vars[@]}")
       dir="${dir%%@*}"
     fi
     bin="$dir/bench/gpu/bench_prefill"

@@ -5,9 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
+#include <utility>
 
 #include "backend_ops/cases.h"
 #include "backend_ops/harness.h"
@@ -144,6 +147,45 @@ TEST(CudaBackendHost, PlanSizesTheWorkspaceForItsSplits) {
   EXPECT_GE(plan->workspace_bytes(),
             size_t(plan->num_splits) * c.num_heads * (c.head_size + 1) * 4);
   EXPECT_EQ(cuda::make_plan(md, c, 0, 0)->workspace_bytes(), 0u);
+}
+
+// The Hopper prefill switches read from the environment: values, defaults, and errors that name
+// the variable.
+TEST(CudaBackendHost, PrefillSwitchesFromTheEnvironment) {
+  struct Var {
+    const char* name;
+    std::string saved;
+    bool had;
+  };
+  Var vars[] = {{cuda::kPersistentEnvVar, "", false}, {cuda::kPingpongEnvVar, "", false}};
+  for (Var& v : vars) {
+    if (const char* s = std::getenv(v.name)) v.saved = s, v.had = true;
+    unsetenv(v.name);
+  }
+  EXPECT_EQ(cuda::backend_options_from_env().prefill_persistent, cuda::kPrefillPersistent);
+  EXPECT_EQ(cuda::backend_options_from_env().pingpong_min_tiles, cuda::kPingpongMinTiles);
+  const std::pair<const char*, int> persistent[] = {
+      {"on", std::numeric_limits<int>::max()}, {"off", 0}, {"1", 1}, {"264", 264}};
+  for (const auto& [text, want] : persistent) {
+    setenv(cuda::kPersistentEnvVar, text, 1);
+    EXPECT_EQ(cuda::backend_options_from_env().prefill_persistent, want) << text;
+  }
+  for (const char* bad : {"0", "-2", "yes", "4x"}) {
+    setenv(cuda::kPersistentEnvVar, bad, 1);
+    EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, cuda::kPersistentEnvVar);
+  }
+  unsetenv(cuda::kPersistentEnvVar);
+  setenv(cuda::kPingpongEnvVar, "off", 1);
+  EXPECT_EQ(cuda::backend_options_from_env().pingpong_min_tiles, std::numeric_limits<int>::max());
+  setenv(cuda::kPingpongEnvVar, "0", 1);
+  EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, cuda::kPingpongEnvVar);
+  for (const Var& v : vars) {
+    if (v.had) {
+      setenv(v.name, v.saved.c_str(), 1);
+    } else {
+      unsetenv(v.name);
+    }
+  }
 }
 
 // ---- GPU: every kernel against the reference -----------------------------------------------

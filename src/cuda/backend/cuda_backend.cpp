@@ -91,6 +91,14 @@ BackendOptions backend_options_from_env() {
             v, "') must be off or an integer >= 1");
     o.pingpong_min_tiles = v == "off" ? INT_MAX : int(n);
   }
+  if (const char* s = std::getenv(kPersistentEnvVar); s && *s) {
+    const std::string v(s);
+    char* end = nullptr;
+    const long n = std::strtol(s, &end, 10);
+    require(v == "on" || v == "off" || (end && *end == '\0' && n >= 1 && n <= INT_MAX),
+            kPersistentEnvVar, " ('", v, "') must be on, off or an integer >= 1");
+    o.prefill_persistent = v == "on" ? INT_MAX : v == "off" ? 0 : int(n);
+  }
   if (const char* s = std::getenv(kFp8MathEnvVar); s && *s) {
     const std::string v(s);
     require(v == "on" || v == "off", kFp8MathEnvVar, " ('", v, "') must be on or off");

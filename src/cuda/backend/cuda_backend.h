@@ -2,6 +2,7 @@
 // and amax on NVIDIA Hopper GPUs.
 #pragma once
 
+#include <climits>
 #include <memory>
 
 #include "pagedattn/backend.h"
@@ -51,6 +52,16 @@ inline constexpr const char* kPingpongEnvVar = "PAGEDATTN_CUDA_PINGPONG_MIN_TILE
 /// and off (all within 1% of each other): d128 1k-4k +3%, d64 4k +7%, ViT d64 +7-9%, chunked
 /// q1024 over 8k +4%, elsewhere -1 to +2%.
 inline constexpr int kPingpongMinTiles = 1;
+/// Environment variable for the Hopper prefill kernel's grid: on (as many CTAs as are resident,
+/// each walking several work tiles and loading the next one's Q and K while it stores the
+/// current one's rows), an integer N >= 1 (at most N CTAs: tests walk every work tile of a
+/// launch through one CTA with 1) or off (one CTA per work tile). Default: kPrefillPersistent.
+inline constexpr const char* kPersistentEnvVar = "PAGEDATTN_CUDA_PREFILL_PERSISTENT";
+/// The default of kPersistentEnvVar: on (INT_MAX CTAs, i.e. as many as are resident). Measured
+/// [H200, same binary and call, bench/results/2026-12-04-h200-persistent.txt] against one CTA per
+/// work tile: causal d128 1k +13%, 4k +3%; d64 1k +30%, 4k +9%, 16k +3%; ViT +14-27%; fp8
+/// products at 4k +7-14%; chunked prefill equal; d256 16k -3% (its Q is not double-buffered).
+inline constexpr int kPrefillPersistent = INT_MAX;
 
 /// How the MLA kernel copies full tiles (kMlaCopyEnvVar).
 enum class MlaCopy : uint8_t { kAuto, kTma, kCpAsync };
@@ -87,11 +98,14 @@ struct BackendOptions {
   /// Hopper prefill: CTAs with at least this many tiles run the pingpong (kPingpongEnvVar;
   /// INT_MAX: never).
   int pingpong_min_tiles = kPingpongMinTiles;
+  /// Hopper prefill: at most this many persistent CTAs (kPersistentEnvVar; INT_MAX: as many as
+  /// are resident; 0: one CTA per work tile).
+  int prefill_persistent = kPrefillPersistent;
 };
 
 /// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS, PAGEDATTN_CUDA_PREFILL,
 /// PAGEDATTN_CUDA_PREFILL_KERNEL, PAGEDATTN_CUDA_DECODE_COPY, PAGEDATTN_CUDA_MLA, the MLA copy,
-/// fp8-math, prefill-copy and pingpong variables above.
+/// fp8-math, prefill-copy, pingpong and persistent variables above.
 BackendOptions backend_options_from_env();
 
 std::unique_ptr<Backend> make_backend(const BackendOptions& options = backend_options_from_env());

@@ -73,7 +73,8 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
       route_(options.prefill),
       bulk_copy_(use_bulk_copy(config, options.decode_copy, device_props(device.index).cc_major)),
       prefill_tma_(options.prefill_tma),
-      pingpong_min_tiles_(options.pingpong_min_tiles) {
+      pingpong_min_tiles_(options.pingpong_min_tiles),
+      prefill_persistent_(options.prefill_persistent) {
   require<NotSupported>(device.is_cuda(), "cuda backend: device ", to_string(device),
                         " is not a CUDA device");
   const bool cached = uses_kv_cache(config.attn_type);
@@ -340,6 +341,7 @@ void CudaImpl::forward(const ForwardArgs& a) {
     pp.num_q_tiles = int((max_rows + prefill_->block_m - 1) / prefill_->block_m);
     set_prefill_tma(pp, k, v, cached);
     pp.pingpong_min_tiles = pingpong_min_tiles_;
+    pp.persistent = prefill_persistent_;
     prefill_->launch(pp, stream);
     if (!all) {
       p.num_q_tiles = prefill::kDecodeMaxRows / decode::kRows;

@@ -41,6 +41,7 @@ class CudaImpl final : public AttentionImpl {
   bool bulk_copy_;
   bool prefill_tma_;        // BackendOptions::prefill_tma
   int pingpong_min_tiles_;  // BackendOptions::pingpong_min_tiles
+  int prefill_persistent_;  // BackendOptions::prefill_persistent
   int mla_tma_rows_ = 0;    // TMA for MLA tiles at block sizes that are multiples of this (0: off)
   DType cache_dtype_;       // what the kernels read K/V as (the activation dtype for encoder types)
   const decode::DecodeKernel* decode_ = nullptr;

@@ -83,6 +83,7 @@ struct RowRange {
 struct Work {
   int r, kv_head, row0, num_rows, q_begin, q_len, kv_len;
   int kv_begin, kv_end;  // this split's keys
+  int split;             // which split (the partials' index) (prefill kernels)
 };
 
 __device__ __forceinline__ RowRange row_range(const DecodeParams& p, const Work& w, int row) {
@@ -435,6 +436,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
         ceil_div(ceil_div(range_hi - range_lo, p.num_splits), T::kSplitAlign) * T::kSplitAlign;
     w.kv_begin = min(range_lo + int(blockIdx.y) * chunk, range_hi);
     w.kv_end = min(w.kv_begin + chunk, range_hi);
+    w.split = int(blockIdx.y);
   }
   // Tiles [lo_max, hi_min) need no mask for any row.
   const int lo_max = max(last.lo, w.kv_begin), hi_min = min(first.hi, w.kv_end);

@@ -72,10 +72,13 @@ struct DecodeParams {
   /// 0: every tile by cp.async.
   int kv_tma;
   int kv_tma_rows;  ///< rows per box: min(block_size, the kernel's tile) (kv_direct: the tile)
-  /// Hopper prefill only: a CTA with at least this many K/V tiles runs its consumer
-  /// warpgroups in FA3's pingpong (turns to issue the matrix products); fewer, or the
-  /// persistent variant, without.
+  /// Hopper prefill only: a work tile with at least this many K/V tiles runs its consumer
+  /// warpgroups in FA3's pingpong (turns to issue the matrix products); fewer, without.
   int pingpong_min_tiles;
+  /// Hopper prefill only: 0, one CTA per work tile; N > 0, min(N, resident) CTAs, each walking
+  /// work tiles blockIdx.x + i * gridDim.x (the next one's Q and K load while the current
+  /// one's rows are stored).
+  int persistent;
   CUtensorMap k_map, v_map;  // 64-byte aligned by their type
 };
 

@@ -94,47 +94,57 @@ namespace pagedattn::cuda::prefill {
 /// Shared memory of the Hopper kernel: every operand tile in 128-byte-swizzled panels of 64
 /// columns (the wgmma canonical layout), each panel base 1024-byte aligned.
 struct Sm90Layout {
-  int q_panel = 0;       ///< bytes of one Q panel: kBlockM rows x 128 B
-  int kv_panel = 0;      ///< bytes of one K (or V) panel: kBlockN rows x 128 B
-  int q_offset = 0;      ///< Q [panels][kBlockM][64]
+  int q_panel = 0;   ///< bytes of one Q panel: kBlockM rows x 128 B
+  int kv_panel = 0;  ///< bytes of one K (or V) panel: kBlockN rows x 128 B
+  int q_offset = 0;  ///< Q [q_stages][panels][kBlockM][64]
+  int q_bytes = 0;   ///< bytes of one Q buffer
+  /// Q buffers: 2 where they fit (the producer loads the next work tile's Q while the
+  /// consumers still read this one's), else 1 (d256, fp8 widening at d128 and up).
+  int q_stages = 1;
   int stage_offset = 0;  ///< [kStages] { K [panels][kBlockN][64], V the same }
   int stage_bytes = 0;
   int raw_offset = 0;    ///< fp8 caches: [K, V][kBlockN][head_size] raw codes of the next tile
   int table_offset = 0;  ///< [kStages + 1][kBlockN] {K, V} int64 row byte offsets (producer)
-  int bar_offset = 0;    ///< mbarriers: q_full, K full / V full / K empty / V empty [kStages],
-                         ///< (persistent) q_empty
+  int bar_offset = 0;    ///< mbarriers: q_full [2], K full / V full / K empty / V empty
+                         ///< [kStages], q_empty [2]
   int total = 0;         ///< including 1024 bytes to align the dynamic base
 };
 
 constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int stages,
-                                 int kv_elem_bytes, bool persistent = false) {
+                                 int kv_elem_bytes) {
   Sm90Layout s;
   const int panels = (head_size + 63) / 64;  // a last panel of 16-48 columns is partly unused
   s.q_panel = block_m * 128;
   s.kv_panel = block_n * 128;
   s.q_offset = 0;
-  s.stage_offset = panels * s.q_panel;
-  s.stage_bytes = 2 * panels * s.kv_panel;
-  s.raw_offset = s.stage_offset + stages * s.stage_bytes;
-  s.table_offset = s.raw_offset + (kv_elem_bytes == 1 ? 2 * block_n * head_size : 0);
-  s.bar_offset = s.table_offset + (stages + 1) * block_n * 16;                  // kTableSlots
-  s.total = s.bar_offset + (1 + 4 * stages + (persistent ? 1 : 0)) * 8 + 1024;  // + q_empty
-  return s;
+  s.q_bytes = panels * s.q_panel;
+  for (int q_stages = 2;; --q_stages) {
+    s.q_stages = q_stages;
+    s.stage_offset = q_stages * s.q_bytes;
+    s.stage_bytes = 2 * panels * s.kv_panel;
+    s.raw_offset = s.stage_offset + stages * s.stage_bytes;
+    s.table_offset = s.raw_offset + (kv_elem_bytes == 1 ? 2 * block_n * head_size : 0);
+    s.bar_offset = s.table_offset + (stages + 1) * block_n * 16;  // kTableSlots
+    s.total = s.bar_offset + (4 + 4 * stages) * 8 + 1024;
+    if (s.total <= decode::kMaxSmemPerCta || q_stages == 1) return s;
+  }
 }
 
 /// Shared memory of the Hopper kernel's fp8-product instances (Sm90Traits::kFp8Math): one
 /// 128-byte panel per operand row (head sizes up to 128 bytes of e4m3), V transposed.
-constexpr Sm90Layout sm90_fp8_layout(int block_m, int block_n, int stages, bool persistent) {
+constexpr Sm90Layout sm90_fp8_layout(int block_m, int block_n, int stages) {
   Sm90Layout s;
   s.q_panel = block_m * 128;   // Q [kBlockM][head_size] e4m3
   s.kv_panel = block_n * 128;  // K [kBlockN][head_size] e4m3; Vt [head_size][kBlockN] e4m3
   s.q_offset = 0;
-  s.stage_offset = s.q_panel;
+  s.q_bytes = s.q_panel;
+  s.q_stages = 2;
+  s.stage_offset = 2 * s.q_bytes;
   s.stage_bytes = 2 * s.kv_panel;
   s.raw_offset = s.stage_offset + stages * s.stage_bytes;  // [2][kBlockN][128] raw V rows
   s.table_offset = s.raw_offset + 2 * block_n * 128;
   s.bar_offset = s.table_offset + (stages + 1) * block_n * 16;
-  s.total = s.bar_offset + (1 + 4 * stages + (persistent ? 1 : 0)) * 8 + 1024;
+  s.total = s.bar_offset + (4 + 4 * stages) * 8 + 1024;
   return s;
 }
 
@@ -182,21 +192,19 @@ struct Sm90Traits {
   static constexpr int kConsumerRegs = PAGEDATTN_SM90_CONSUMER_REGS;
   static constexpr int kProducerRegs = (65536 - 128 * kConsumers * kConsumerRegs) / 128 / 8 * 8;
 #else
-  /// fp8 products: the producer's V transpose needs more than 40 (ptxas spilled 16 bytes
-  /// there), and the consumers hold P in half the registers: 128 x 56 + 256 x 224 = 64512.
-  static constexpr int kProducerRegs = kFp8Math ? 56 : 40;
-  static constexpr int kConsumerRegs = kFp8Math ? 224 : 232;
-#endif
-  /// Persistent CTAs (experiment, PAGEDATTN_SM90_PERSISTENT=1): one per resident slot, each
-  /// walking the work tiles longest first, one tile's epilogue overlapping the next one's loads.
-#ifdef PAGEDATTN_SM90_PERSISTENT
-  static constexpr bool kPersistent = PAGEDATTN_SM90_PERSISTENT != 0;
-#else
-  static constexpr bool kPersistent = false;
+  /// 56 / 224 (128 x 56 + 256 x 224 = 64512) where the consumers can spare the registers: the
+  /// fp8 products (P in half the registers; the producer's V transpose spilled 16 bytes in 40)
+  /// and head sizes up to 96 (O in 48 or fewer), whose producer then keeps the work-tile
+  /// loop's state without spilling (in 40 it spilled 36-76 bytes; ViT d80, whose cp.async
+  /// producer is the busiest, went from 0.88 / 0.86 to 0.92 / 0.90 of the previous kernel
+  /// without the persistent grid [H200, bench/results/2026-12-04-h200-persistent.txt]).
+  static constexpr bool kWideProducer = kFp8Math || kHeadSize <= 96;
+  static constexpr int kProducerRegs = kWideProducer ? 56 : 40;
+  static constexpr int kConsumerRegs = kWideProducer ? 224 : 232;
 #endif
   static constexpr Sm90Layout layout() {
-    return kFp8Math ? sm90_fp8_layout(kBlockM, kBlockN, kStages, kPersistent)
-                    : sm90_layout(kHeadSize, kBlockM, kBlockN, kStages, kKvBytes, kPersistent);
+    return kFp8Math ? sm90_fp8_layout(kBlockM, kBlockN, kStages)
+                    : sm90_layout(kHeadSize, kBlockM, kBlockN, kStages, kKvBytes);
   }
   static_assert(layout().total <= decode::kMaxSmemPerCta);
 };

@@ -32,6 +32,8 @@
 //             bench/gpu/bench_decode --prefill.
 #pragma once
 
+#include <algorithm>
+
 #include "cuda/common/device_props.h"
 #include "cuda/decode/kernel.cuh"
 #include "cuda/prefill/config.h"
@@ -188,7 +190,7 @@ struct KvRows {
 
 // The CTA's request, KV head, rows and split of keys from its work tile (x: grid.x, q tile
 // slowest and reversed, so the tiles with the most causal keys start first; split: grid.y; the
-// persistent Hopper kernel passes the indices of each work tile it takes). False when the tile
+// Hopper kernel passes the indices of each work tile it takes). False when the tile
 // has no rows: a request of the decode kernel's (q_len * G <= route_rows) or a q tile past
 // the request's query.
 __device__ __forceinline__ bool prefill_work(const DecodeParams& p, int block_m, int split_align,
@@ -211,6 +213,7 @@ __device__ __forceinline__ bool prefill_work(const DecodeParams& p, int block_m,
       ceil_div(ceil_div(range_hi - range_lo, p.num_splits), split_align) * split_align;
   w.kv_begin = min(range_lo + split * chunk, range_hi);
   w.kv_end = min(w.kv_begin + chunk, range_hi);
+  w.split = split;
   return true;
 }
 
@@ -273,7 +276,7 @@ __device__ __forceinline__ void store_rows(const DecodeParams& p, const decode::
     float lse2 = sum > 0.0f ? m[h] + log2f(sum) : -INFINITY;
     float factor = sum > 0.0f ? p.v_scale / sum : 0.0f;
     if (p.num_splits > 1) {
-      const int64_t at = (int64_t(blockIdx.y) * p.num_actual_tokens + t) * p.num_heads + head;
+      const int64_t at = (int64_t(w.split) * p.num_actual_tokens + t) * p.num_heads + head;
       float* dst = p.partial_o + at * D + 2 * t4;
 #pragma unroll
       for (int nt = 0; nt < kNt; ++nt) {
@@ -536,17 +539,24 @@ struct PrefillHost {
     prepare<kKernel>(device);
     decode::launch_with_pdl(kKernel, grid, dim3(T::kThreads), T::layout().total, stream, p);
   }
-  // The persistent Hopper kernel: as many CTAs as fit on the device at once (at most one per
-  // work tile), each walking the work tiles blockIdx.x, blockIdx.x + gridDim.x, ...
+  // The Hopper kernel's 1-D grid over the work tiles (x fastest, the split slowest, as the 2-D
+  // grid above runs them): one CTA per work tile, or (p.persistent) as many as are resident at
+  // once, each walking the work tiles blockIdx.x, blockIdx.x + gridDim.x, ...
   template <Kernel kKernel>
-  static void launch_persistent(const DecodeParams& p, cudaStream_t stream) {
+  static void launch_tiles(const DecodeParams& p, cudaStream_t stream) {
     const int64_t total = int64_t(p.num_q_tiles) * p.num_seqs * p.num_kv_heads * p.num_splits;
     if (total == 0) return;
     int device = 0;
     PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-    const int64_t resident = int64_t(device_props(device).num_sms) * ctas_per_sm<kKernel>(device);
-    const dim3 grid(unsigned(std::max<int64_t>(1, std::min(total, resident))), 1);
-    decode::launch_with_pdl(kKernel, grid, dim3(T::kThreads), T::layout().total, stream, p);
+    int64_t ctas = total;
+    if (p.persistent > 0) {
+      const int64_t resident = int64_t(device_props(device).num_sms) * ctas_per_sm<kKernel>(device);
+      ctas = std::min({total, resident, int64_t(p.persistent)});
+    } else {
+      prepare<kKernel>(device);
+    }
+    decode::launch_with_pdl(kKernel, dim3(unsigned(ctas)), dim3(T::kThreads), T::layout().total,
+                            stream, p);
   }
   template <Kernel kKernel>
   static int ctas_per_sm(int device) {

@@ -5,28 +5,30 @@
 //             outputs: prefill_work, softmax_scores and store_rows are shared), for 16-bit
 //             activations over a cache of the same type or fp8 (e4m3 / e5m2, widened by the
 //             producer) at head sizes 64 to 256 (multiples of 16; fp8 to 192).
-//   grid      as the portable kernel: x = q tiles (slowest, reversed) x requests x KV heads,
-//             y = splits; kBlockM = 128 packed rows per CTA, 384 threads.
-//   warps     warpgroup 0 (producer, 40 registers): Q once, then the K and the V tile of
-//             kBlockN keys into two-stage rings of their own. 16-bit caches: warps 0-1 bring
-//             K and warps 2-3 V, each half on its own loop. Full tiles (head sizes that are
-//             multiples of 64, block sizes powers of two >= 8, or an encoder's key tensor)
-//             come by TMA (the default; PAGEDATTN_CUDA_PREFILL_COPY=cp.async turns it off):
-//             one box per block and panel, issued by the lanes of the half's first warp,
-//             completing on the stage's `full` mbarrier by transaction count. Otherwise: row
-//             byte offsets from the block table into a smem table, a named barrier of the
-//             half, then 16-byte cp.async of every row's chunks into 128-byte-swizzled panels,
-//             whose completion arrives on the same barrier (cp.async.mbarrier.arrive.noinc:
-//             the producer never waits for its own copies). fp8 caches: all 128 threads bring
-//             K and V (staged raw, then widened or, for the fp8 products, V transposed).
-//             Warpgroups 1-2 (consumers, 232 registers) own 64 rows each and overlap the
-//             tensor cores with the softmax as FlashAttention-3 does: iteration j issues
-//             S_j = Q K_j^T (wgmma SS) and then O += P_{j-1} V_{j-1} (wgmma RS, V MN-major),
-//             waits for S_j only, runs the softmax of S_j (the portable kernel's, on the same
-//             fragment layout) while P V runs, then waits for P V, rescales O and packs P_j;
-//             the two warpgroups take turns to issue (FA3's pingpong).
-//             K_j is released as soon as S_j is done, V_{j-1} after its P V: the producer
-//             refills K a whole iteration before it is read.
+//   grid      1-D over the portable kernel's work tiles (q tiles slowest and reversed x
+//             requests x KV heads, then splits): one CTA per work tile, or a persistent grid
+//             (DecodeParams::persistent) whose CTAs walk several; kBlockM = 128 packed rows
+//             per work tile, 384 threads.
+//   warps     warpgroup 0 (producer, 40 or 56 registers): Q per work tile (two buffers where
+//             they fit, so the next one's Q loads during this one's tiles), then the K and the V
+//             tile of kBlockN keys into two-stage rings of their own. 16-bit caches: warps 0-1
+//             bring K and warps 2-3 V, each half on its own loop. Full tiles (head sizes that are
+//             multiples of 64, block sizes powers of two >= 8, or an encoder's key tensor) come by
+//             TMA (the default; PAGEDATTN_CUDA_PREFILL_COPY=cp.async turns it off): one box per
+//             block and panel, issued by the lanes of the half's first warp, completing on the
+//             stage's `full` mbarrier by transaction count. Otherwise: row byte offsets from the
+//             block table into a smem table, a named barrier of the half, then 16-byte cp.async of
+//             every row's chunks into 128-byte-swizzled panels, whose completion arrives on the
+//             same barrier (cp.async.mbarrier.arrive.noinc: the producer never waits for its own
+//             copies). fp8 caches: all 128 threads bring K and V (staged raw, then widened or, for
+//             the fp8 products, V transposed). Warpgroups 1-2 (consumers, 232 or 224 registers) own
+//             64 rows each and overlap the tensor cores with the softmax as FlashAttention-3 does:
+//             iteration j issues S_j = Q K_j^T (wgmma SS) and then O += P_{j-1} V_{j-1} (wgmma RS,
+//             V MN-major), waits for S_j only, runs the softmax of S_j (the portable kernel's, on
+//             the same fragment layout) while P V runs, then waits for P V, rescales O and packs
+//             P_j; the two warpgroups take turns to issue (FA3's pingpong). K_j is released as soon
+//             as S_j is done, V_{j-1} after its P V: the producer refills K a whole iteration
+//             before it is read.
 //   sync      mbarriers through CCCL's cuda::ptx (phases flip every kStages tiles); each
 //             consumer thread fences the async proxy after a `full` wait, before its wgmmas
 //             read what cp.async (generic proxy) wrote.
@@ -49,27 +51,50 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 
-// The CTA's mbarriers: q_full, then per stage the K and V `full` (producer -> consumers) and
-// `empty` (consumers -> producer) barriers.
+// The CTA's mbarriers: per Q buffer its `full` (producer -> consumers, once per work tile),
+// per stage the K and V `full` and `empty` (consumers -> producer) barriers, per Q buffer its
+// `empty`.
 template <int kStages>
 struct Barriers {
   uint64_t* base;
-  __device__ uint64_t* q_full() const { return base; }
-  __device__ uint64_t* k_full(int s) const { return base + 1 + s; }
-  __device__ uint64_t* v_full(int s) const { return base + 1 + kStages + s; }
-  __device__ uint64_t* k_empty(int s) const { return base + 1 + 2 * kStages + s; }
-  __device__ uint64_t* v_empty(int s) const { return base + 1 + 3 * kStages + s; }
-  // Persistent kernels only: Q's buffer free again (consumers -> producer), once per work tile.
-  __device__ uint64_t* q_empty() const { return base + 1 + 4 * kStages; }
+  __device__ uint64_t* q_full(int b) const { return base + b; }
+  __device__ uint64_t* k_full(int s) const { return base + 2 + s; }
+  __device__ uint64_t* v_full(int s) const { return base + 2 + kStages + s; }
+  __device__ uint64_t* k_empty(int s) const { return base + 2 + 2 * kStages + s; }
+  __device__ uint64_t* v_empty(int s) const { return base + 2 + 3 * kStages + s; }
+  __device__ uint64_t* q_empty(int b) const { return base + 2 + 4 * kStages + b; }
 };
 
+// Tiles j < tma_tiles<T>(p, w) of work tile w come by TMA (produce: full tiles of a 16-bit
+// cache at head sizes that are multiples of 64, where p.kv_tma allows and the boxes stay inside
+// blocks). kv_tma_rows is a power of two dividing kBlockN, so every tile start is as aligned as
+// kv_begin: one test per work tile, none per tile (the consumers ask it between their K wait
+// and their S issue, to skip the proxy fence).
+template <class T>
+inline constexpr bool kTmaTiles = T::head_size % 64 == 0 && T::kv == KVKind::kSame;
+template <class T>
+__device__ __forceinline__ int tma_tiles(const DecodeParams& p, const decode::Work& w) {
+  const bool aligned = p.kv_direct || (w.kv_begin & (p.kv_tma_rows - 1)) == 0;
+  return kTmaTiles<T> && p.kv_tma != 0 && aligned ? (w.kv_end - w.kv_begin) / T::kBlockN : 0;
+}
+
+// Work tile k's Q buffer and the phase of its barriers.
+template <class T>
+__device__ __forceinline__ int q_buffer(int k) {
+  return k % T::layout().q_stages;
+}
+template <class T>
+__device__ __forceinline__ uint32_t q_parity(int k) {
+  return uint32_t((k / T::layout().q_stages) & 1);
+}
+
 // Where a work tile starts in the CTA's stream of them: `it` K/V tiles came before it through
-// the rings (their stage and phase follow on), it is work tile number `k` (Q's phase), and
-// `first` says the role's registers are still to be set. A non-persistent CTA has one work
-// tile: {0, 0, true}.
+// the rings (their stage and phase follow on), it is work tile number `k` (Q's phase);
+// `pingpong` says its consumers take turns, and `turns_open` that an earlier work tile of the
+// CTA took them (so warpgroup 0's turn is already open: the last hand-over of that tile).
 struct TileSeq {
   int it = 0, k = 0;
-  bool first = true;
+  bool pingpong = false, turns_open = false;
 };
 
 // fp8 products: the producer's loop. K rows land raw (e4m3) in the K panel by cp.async, as the
@@ -228,7 +253,7 @@ __device__ __forceinline__ void copy_q_chunk_e4m3(const DecodeParams& p, const d
 template <class T>
 __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Work& w,
                                         unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
-                                        TileSeq seq);
+                                        const TileSeq& seq);
 
 // P (the accumulator layout of S, keys 8 i + 2 (lane % 4) + {0, 1} in s[i]) as the e4m3 A
 // operand of k step c (32 keys): register byte e of a[0] (row g) takes key position 4 t + e,
@@ -249,7 +274,7 @@ __device__ __forceinline__ void pack_p_e4m3(const float (&s)[kSn][4], int c, uin
 template <class T, bool kFeatures>
 __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Work& w,
                                         unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
-                                        TileSeq seq);
+                                        const TileSeq& seq);
 
 // kFeatures: soft cap and ALiBi compiled in (a second instance; see softmax_scores).
 template <class T, bool kFeatures>
@@ -263,14 +288,23 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   sm80::grid_dependency_wait();
   sm80::launch_dependent_grids();
 
-  decode::Work w;
-  if constexpr (!T::kPersistent) {
-    if (!prefill_work(p, T::kBlockM, T::kSplitAlign, int(blockIdx.x), int(blockIdx.y), w)) return;
+  // One work tile per CTA: a CTA whose tile has no rows (most of a grid sized by the longest
+  // query of a mixed batch) leaves before any setup.
+  {
+    const int nx = p.num_q_tiles * p.num_seqs * p.num_kv_heads, b = int(blockIdx.x);
+    decode::Work w;
+    if (int(gridDim.x) >= nx * p.num_splits &&
+        !prefill_work(p, T::kBlockM, T::kSplitAlign, b % nx, b / nx, w)) {
+      return;
+    }
   }
 
   const Barriers<T::kStages> bars{reinterpret_cast<uint64_t*>(smem + lay.bar_offset)};
   if (threadIdx.x == 0) {
-    ptx::mbarrier_init(bars.q_full(), 128);
+    for (int b = 0; b < lay.q_stages; ++b) {
+      ptx::mbarrier_init(bars.q_full(b), 128);
+      ptx::mbarrier_init(bars.q_empty(b), 128 * T::kConsumers);
+    }
     // One arrival per producer thread that brings the tile: the 16-bit producer splits into a
     // K half and a V half of 64 threads, the fp8 producers bring both with all 128.
     constexpr int kFullArrivals = T::kv == KVKind::kSame && !T::kFp8Math ? 64 : 128;
@@ -280,45 +314,48 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       ptx::mbarrier_init(bars.k_empty(s), 128 * T::kConsumers);
       ptx::mbarrier_init(bars.v_empty(s), 128 * T::kConsumers);
     }
-    if constexpr (T::kPersistent) ptx::mbarrier_init(bars.q_empty(), 128 * T::kConsumers);
     ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
   }
   __syncthreads();
-  if constexpr (!T::kPersistent) {
-    const int n_tiles = ceil_div(w.kv_end - w.kv_begin, T::kBlockN);
-    // One branch per role, as setmaxnreg requires.
-    if (threadIdx.x < 128) {
-      produce<T>(p, w, smem, bars, n_tiles, TileSeq{});
-    } else {
-      consume<T, kFeatures>(p, w, smem, bars, n_tiles, TileSeq{});
+  // Work tiles numbered as the portable kernel's grid runs them (x fastest: q tile slowest and
+  // reversed, so the longest causal rows come first; the split slowest). A grid of one CTA per
+  // work tile (the default) takes one each; a persistent grid (DecodeParams::persistent)
+  // walks them in rounds of gridDim.x, CTA b taking number b of even rounds and number
+  // gridDim.x - 1 - b of odd ones: causal work tiles shrink along the numbering, and the snake
+  // evens out what each CTA gets (round-robin gave CTA 0 the longest tile of every round).
+  // Every role walks the same sequence, so the rings' stages and phases carry over from one
+  // work tile to the next and the producer loads the next one's Q and K during this one.
+  // (Each role computes the walk after its setmaxnreg: values live across it spilled.)
+  auto for_each_tile = [&](auto&& role) {
+    const int nx = p.num_q_tiles * p.num_seqs * p.num_kv_heads;
+    const int total = nx * p.num_splits;
+    const int g = int(gridDim.x), b = int(blockIdx.x);
+    decode::Work w;
+    TileSeq seq;
+    for (int round = 0; round * g < total; ++round) {
+      const int t = round * g + (round & 1 ? g - 1 - b : b);
+      if (t >= total) continue;
+      const int split = t / nx;
+      if (!prefill_work(p, T::kBlockM, T::kSplitAlign, t - split * nx, split, w)) continue;
+      const int n_tiles = ceil_div(w.kv_end - w.kv_begin, T::kBlockN);
+      seq.pingpong = n_tiles >= p.pingpong_min_tiles;
+      role(w, n_tiles, seq);
+      seq.it += n_tiles;
+      ++seq.k;
+      seq.turns_open |= seq.pingpong;
     }
+  };
+  // One branch per role, as setmaxnreg requires, with the tile loop inside it.
+  if (threadIdx.x < 128) {
+    sm90::setmaxnreg_dec<T::kProducerRegs>();
+    for_each_tile([&](const decode::Work& w, int n_tiles, const TileSeq& seq) {
+      produce<T>(p, w, smem, bars, n_tiles, seq);
+    });
   } else {
-    // Work tiles t = blockIdx.x + i * gridDim.x of the grid the non-persistent kernel would
-    // launch (q tile slowest and reversed: the longest causal rows first), the split fastest;
-    // every role walks the same sequence, so the rings' phases carry over from tile to tile,
-    // and one tile's output rows are stored while the producer already loads the next one.
-    const int total = p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits;
-    auto for_each_tile = [&](auto&& role) {
-      TileSeq seq;
-      seq.first = false;  // the registers are set once per role, below, outside the loop
-      for (int t = int(blockIdx.x); t < total; t += int(gridDim.x)) {
-        const int x = t / p.num_splits;
-        if (!prefill_work(p, T::kBlockM, T::kSplitAlign, x, t - x * p.num_splits, w)) continue;
-        const int n_tiles = ceil_div(w.kv_end - w.kv_begin, T::kBlockN);
-        role(n_tiles, seq);
-        seq.it += n_tiles;
-        ++seq.k;
-      }
-    };
-    // One branch per role, as setmaxnreg requires, with the tile loop inside it.
-    if (threadIdx.x < 128) {
-      sm90::setmaxnreg_dec<T::kProducerRegs>();
-      for_each_tile([&](int n_tiles, TileSeq seq) { produce<T>(p, w, smem, bars, n_tiles, seq); });
-    } else {
-      sm90::setmaxnreg_inc<T::kConsumerRegs>();
-      for_each_tile(
-          [&](int n_tiles, TileSeq seq) { consume<T, kFeatures>(p, w, smem, bars, n_tiles, seq); });
-    }
+    sm90::setmaxnreg_inc<T::kConsumerRegs>();
+    for_each_tile([&](const decode::Work& w, int n_tiles, const TileSeq& seq) {
+      consume<T, kFeatures>(p, w, smem, bars, n_tiles, seq);
+    });
   }
 }
 
@@ -411,32 +448,33 @@ __device__ __forceinline__ void produce_fp8(const DecodeParams& p, unsigned char
 template <class T>
 __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Work& w,
                                         unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
-                                        TileSeq seq) {
+                                        const TileSeq& seq) {
   constexpr int D = T::head_size, kBlockN = T::kBlockN, kBlockM = T::kBlockM;
   constexpr int kStages = T::kStages, kChunks = D / 8;
   constexpr Sm90Layout lay = T::layout();
-  if (seq.first) sm90::setmaxnreg_dec<T::kProducerRegs>();
   const int ct = int(threadIdx.x);
   const int it0 = seq.it;
-  // Persistent: the consumers are done reading the previous work tile's Q.
-  if constexpr (T::kPersistent) mbar_wait(bars.q_empty(), (seq.k & 1) ^ 1);
+  // The consumers are done reading the Q of the work tile that last used this buffer (the
+  // first use passes at once).
+  const int qb = q_buffer<T>(seq.k);
+  mbar_wait(bars.q_empty(qb), q_parity<T>(seq.k) ^ 1);
+  unsigned char* const q_smem = smem + lay.q_offset + qb * lay.q_bytes;
   // Q: packed row r -> token r / G, head kv_head * G + r % G; zeros past the rows.
   if constexpr (T::kFp8Math) {
     constexpr int kQChunks = D / 16;
     for (int c = ct; c < kBlockM * kQChunks; c += 128) {
       const int row = c / kQChunks;
-      copy_q_chunk_e4m3<T::act>(p, w, row, c - row * kQChunks, smem + lay.q_offset);
+      copy_q_chunk_e4m3<T::act>(p, w, row, c - row * kQChunks, q_smem);
     }
     ptx::fence_proxy_async(ptx::space_shared);  // generic stores, then the wgmmas read them
-    ptx::mbarrier_arrive(bars.q_full());
+    ptx::mbarrier_arrive(bars.q_full(qb));
   } else {
     for (int c = ct; c < kBlockM * kChunks; c += 128) {
       const int row = c / kChunks, col = c - row * kChunks;
-      copy_q_chunk<T::act>(
-          p, w, row, col,
-          smem + lay.q_offset + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7));
+      copy_q_chunk<T::act>(p, w, row, col,
+                           q_smem + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7));
     }
-    ptx::cp_async_mbarrier_arrive_noinc(bars.q_full());
+    ptx::cp_async_mbarrier_arrive_noinc(bars.q_full(qb));
   }
 
   const KvRows kv(p, w, T::kKvBytes);
@@ -447,11 +485,9 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   // finite: its scores are masked and its P is 0), so the copies need no zero-fill predicate.
   // kStages + 1 slots: the V copies of tile j read slot j while tile j + 1's K is already
   // issued, and only the barrier of tile j + 2's fill stands between them and slot j's reuse.
+  // The slots follow the CTA's whole stream of tiles (it0 + j), which fills every tile in
+  // order, so the same holds from one work tile to the next.
   auto fill_table = [&](int j) {
-    // Persistent: tiles that came by TMA (no fill, no barrier) may stand between this fill and
-    // the last reads of the slot it overwrites; a barrier first keeps every producer thread's
-    // earlier reads ahead of the writes.
-    if constexpr (T::kPersistent) sm90::named_barrier_sync(1, 128);
     int64_t* const table = reinterpret_cast<int64_t*>(smem + lay.table_offset) +
                            ((it0 + j) % T::kTableSlots) * 2 * kBlockN;
     if (ct < kBlockN) {
@@ -497,12 +533,13 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   // This half's offsets (K's or V's) of tile j into table slot j % kTableSlots, then a barrier
   // of the half (named barrier 4 or 5). Rows past the split read the split's last key instead
   // (its bytes are finite: its scores are masked and its P is 0), so the copies need no
-  // zero-fill predicate. Each half reads only what it wrote, and its barrier of tile j + 1
-  // stands between its reads of slot j and the slot's reuse at tile j + kTableSlots.
+  // zero-fill predicate. Each half reads only what it wrote. Tile g of the CTA's stream
+  // (it0 + j) reuses the slot of tile g - kTableSlots or earlier, whose copies every thread
+  // of the half issued (reading the slot) before arriving on that tile's `full`; the fill of
+  // tile g comes after the wait for tile g - 1's stage, i.e. for the consumers' release of
+  // tile g - 1 - kStages >= g - kTableSlots, which needs those arrivals. So no barrier is
+  // needed before the writes, even where TMA tiles (no fill) stand between.
   auto fill_half = [&](int j) {
-    // Persistent: tiles that came by TMA (no fill, no barrier) may stand between this fill and
-    // the last reads of the slot it overwrites: a barrier first.
-    if constexpr (T::kPersistent) sm90::named_barrier_sync(4 + pick, 64);
     int64_t* const table = reinterpret_cast<int64_t*>(smem + lay.table_offset) +
                            ((it0 + j) % T::kTableSlots) * 2 * kBlockN;
     for (int row = ht; row < kBlockN; row += 64) {
@@ -531,13 +568,10 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   // the `full` barriers keep their 64 arrivals whichever way a tile comes. A split's partial
   // last tile still goes by cp.async (a box would read rows past the split, whose bytes may be
   // NaN; cp.async reads the last key again).
-  constexpr bool kTmaCapable = D % 64 == 0 && T::kv == KVKind::kSame;
+  constexpr bool kTmaCapable = kTmaTiles<T>;
   const int box = p.kv_tma_rows;
-  const int align = p.kv_direct ? 1 : box;
-  auto by_tma = [&](int j) {
-    const int ts = w.kv_begin + j * kBlockN;
-    return kTmaCapable && p.kv_tma != 0 && ts + kBlockN <= w.kv_end && ts % align == 0;
-  };
+  const int n_tma = tma_tiles<T>(p, w);
+  auto by_tma = [&](int j) { return j < n_tma; };
   // Lane b's box of tile j: {row coordinate, block coordinate} (kv_direct: token row, 0).
   auto box_at = [&](int j) {
     int2 at = make_int2(0, 0);
@@ -597,12 +631,11 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
 template <class T, bool kFeatures>
 __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Work& w,
                                         unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
-                                        TileSeq seq) {
+                                        const TileSeq& seq) {
   constexpr int D = T::head_size, kBlockN = T::kBlockN;
   constexpr int kStages = T::kStages, kNt = D / 8, kSn = kBlockN / 8;
   constexpr bool kBF16 = T::act == DType::kBF16;
   constexpr Sm90Layout lay = T::layout();
-  if (seq.first) sm90::setmaxnreg_inc<T::kConsumerRegs>();
   const int it0 = seq.it;
   // The warpgroup index through a shuffle, as CUTLASS does: ptxas then knows it is uniform and
   // builds the wgmma descriptors (Q's base depends on it) in uniform registers, instead of
@@ -627,25 +660,27 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   constexpr int kPk = T::kFp8Math ? 32 : 16;
   uint32_t pa[kBlockN / kPk][4];
 
-  const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset) + wg_row0 * 128;
+  const int qb = q_buffer<T>(seq.k);
+  const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset + qb * lay.q_bytes) + wg_row0 * 128;
   const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
   auto parity = [&](int j) { return uint32_t(((it0 + j) / kStages) & 1); };
   auto stage = [&](int j) { return (it0 + j) % kStages; };
   // FA3's pingpong: the consumers take turns to issue their wgmmas, so one's softmax runs while
   // the other's products occupy the tensor cores. Named barrier 2 + c is warpgroup c's turn;
   // each takes its turn once per tile (computed or skipped, so the counts always pair up),
-  // issues, and hands the turn on; warpgroup 0 holds the first. Per CTA, from the number of its
-  // tiles (the same for both warpgroups; DecodeParams::pingpong_min_tiles, by default every
-  // CTA). Not in the persistent variant, where a work tile without turns would leave the last
-  // hand-over of the one before unpaired.
-  const bool pingpong = !T::kPersistent && n_tiles >= p.pingpong_min_tiles;
+  // issues, and hands the turn on; warpgroup 0 holds the first. Per work tile, from the number
+  // of its K/V tiles (the same for both warpgroups; DecodeParams::pingpong_min_tiles, by
+  // default every tile). Warpgroup 1's last hand-over of a work tile stays pending on barrier
+  // 2 and opens warpgroup 0's first turn of the CTA's next work tile with turns; only the
+  // first such tile opens it itself.
+  const bool pingpong = seq.pingpong;
   auto turn_begin = [&] {
     if (pingpong) sm90::named_barrier_sync(2 + cw, 256);
   };
   auto turn_end = [&] {
     if (pingpong) sm90::named_barrier_arrive(2 + (cw + 1) % T::kConsumers, 256);
   };
-  if (pingpong && cw == 0) sm90::named_barrier_arrive(2, 256);
+  if (pingpong && !seq.turns_open && cw == 0) sm90::named_barrier_arrive(2, 256);
   // S = Q K^T of the tile in stage s (K-major operands: a k step of 16 16-bit or 32 e4m3
   // columns is +32 B in a panel).
   auto issue_s = [&](float(&sacc)[kSn][4], int s) {
@@ -709,13 +744,22 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
     mbar_wait(bars.v_full(s), parity(j));
     ptx::mbarrier_arrive(bars.v_empty(s));
   };
+  // Whether the consumers must fence the async proxy before their wgmmas read tile j's K (V):
+  // only for what cp.async wrote (generic proxy, its completion arriving on the barrier with no
+  // fence of the writer's). TMA writes through the async proxy, and the fp8 producers fence
+  // their own stores (the widened panels, the transposed V) before arriving. The first tile of
+  // a work tile always fences: its Q came by cp.async. [SASS] the fence is a MEMBAR.ALL.CTA
+  // and a FENCE.VIEW.ASYNC.S.
+  const int n_tma = tma_tiles<T>(p, w);
+  auto k_fence = [&](int j) { return T::kFp8Math || (T::kv == KVKind::kSame && j >= n_tma); };
+  auto v_fence = [&](int j) { return T::kv == KVKind::kSame && j >= n_tma; };
   // The tiles [j_lo, j_hi) this warpgroup computes.
   int j_lo = n_tiles, j_hi = n_tiles;
   if (active && span.lo < span.hi) {
     j_lo = (span.lo - w.kv_begin) / kBlockN;
     j_hi = min(n_tiles, ceil_div(span.hi - w.kv_begin, kBlockN));
   }
-  mbar_wait(bars.q_full(), uint32_t(seq.k & 1));
+  mbar_wait(bars.q_full(qb), q_parity<T>(seq.k));
   for (int j = 0; j < j_lo; ++j) skip(j);
   if (j_lo < j_hi) {
     // Straight-line wgmma groups, no flags: ptxas serialises the wgmmas (C7514 / C7518) when
@@ -723,7 +767,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
     {
       const int s = stage(j_lo);
       mbar_wait(bars.k_full(s), parity(j_lo));
-      ptx::fence_proxy_async(ptx::space_shared);
+      ptx::fence_proxy_async(ptx::space_shared);  // also for Q, which came by cp.async
       float sacc[kSn][4], corr[2];
       turn_begin();
       issue_s(sacc, s);
@@ -737,14 +781,14 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
     for (int j = j_lo + 1; j < j_hi; ++j) {
       const int s = stage(j), prev = stage(j - 1);
       mbar_wait(bars.k_full(s), parity(j));
-      ptx::fence_proxy_async(ptx::space_shared);
+      if (k_fence(j)) ptx::fence_proxy_async(ptx::space_shared);
       float sacc[kSn][4], corr[2];
       turn_begin();
       issue_s(sacc, s);
       // V_{j-1} only now: S_j need not wait for it (ncu: the V `full` poll was the consumers'
       // hottest instruction with the cp.async producer).
       mbar_wait(bars.v_full(prev), parity(j - 1));
-      ptx::fence_proxy_async(ptx::space_shared);
+      if (v_fence(j - 1)) ptx::fence_proxy_async(ptx::space_shared);
       issue_pv(prev);
       turn_end();
       sm90::wgmma_wait<1>();  // S_j done; P V of tile j - 1 still runs
@@ -759,32 +803,25 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
     }
     const int last = stage(j_hi - 1);
     mbar_wait(bars.v_full(last), parity(j_hi - 1));
-    ptx::fence_proxy_async(ptx::space_shared);
+    if (v_fence(j_hi - 1)) ptx::fence_proxy_async(ptx::space_shared);
     issue_pv(last);
     sm90::wgmma_wait<0>();
     sm90::fence_operands(o);
     ptx::mbarrier_arrive(bars.v_empty(last));
   }
   for (int j = j_hi; j < n_tiles; ++j) skip(j);
-  // Persistent: every wgmma reading Q has been waited for; the producer may load the next one
-  // while these rows are stored.
-  if constexpr (T::kPersistent) ptx::mbarrier_arrive(bars.q_empty());
+  // Every wgmma reading Q has been waited for: the producer may load a later work tile's Q
+  // into this buffer while these rows are stored.
+  ptx::mbarrier_arrive(bars.q_empty(qb));
   store_rows<T::act>(p, w, o, m, l, row_a, t4);
 }
 
 template <class T>
 void PrefillSm90Ops<T>::launch(const DecodeParams& p, cudaStream_t stream) {
-  const bool features = p.softcap > 0.0f || p.alibi_slopes != nullptr;
-  if constexpr (T::kPersistent) {
-    if (features) {
-      PrefillHost<T>::template launch_persistent<prefill_sm90_kernel<T, true>>(p, stream);
-    } else {
-      PrefillHost<T>::template launch_persistent<prefill_sm90_kernel<T, false>>(p, stream);
-    }
-  } else if (features) {
-    PrefillHost<T>::template launch<prefill_sm90_kernel<T, true>>(p, stream);
+  if (p.softcap > 0.0f || p.alibi_slopes != nullptr) {
+    PrefillHost<T>::template launch_tiles<prefill_sm90_kernel<T, true>>(p, stream);
   } else {
-    PrefillHost<T>::template launch<prefill_sm90_kernel<T, false>>(p, stream);
+    PrefillHost<T>::template launch_tiles<prefill_sm90_kernel<T, false>>(p, stream);
   }
 }
 
