@@ -33,6 +33,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 
 #include "cuda/common/device_props.h"
 #include "cuda/decode/kernel.cuh"
@@ -560,10 +561,15 @@ struct PrefillHost {
   }
   template <Kernel kKernel>
   static int ctas_per_sm(int device) {
+    // Asked once per device (the persistent launch sizes its grid by it at every launch).
+    static std::atomic<int> known[64];  // by device index & 63; 0: not asked yet
+    std::atomic<int>& slot = known[device & 63];
+    if (const int n = slot.load(std::memory_order_acquire); n > 0) return n;
     prepare<kKernel>(device);
     int n = 0;
     PAGEDATTN_CUDA_CHECK(
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, T::kThreads, T::layout().total));
+    slot.store(n, std::memory_order_release);
     return n;
   }
 };

@@ -798,7 +798,16 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
       sm90::wgmma_wait<0>();
       sm90::fence_operands(o);
       ptx::mbarrier_arrive(bars.v_empty(prev));
-      rescale_o(o, corr);
+      // Only when some row of the warp has a new max (corr != 1; exactly 1 otherwise), from
+      // head size 128 and for the fp8 products: past the first tiles of a long row the max
+      // rarely moves, and O's D / 2 multiplies per thread are worth a vote and a branch.
+      // Measured [H200, same call, bench/results/2026-12-04-h200-persistent.txt]: d256 16k
+      // +11%, d128 16k +2%, fp8 products d64 +2-3%; 16-bit d64 -4-5% (its 32 multiplies cost
+      // less than the vote), d80 equal.
+      if ((D < 128 && !T::kFp8Math) ||
+          __any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+        rescale_o(o, corr);
+      }
       pack(sacc);
     }
     const int last = stage(j_hi - 1);
