@@ -124,7 +124,9 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
   // Raises the kernel's shared-memory limit now, so that no attribute call happens later
   // inside a graph capture.
   decode_->ctas_per_sm(device.index);
-  if (prefill_ != nullptr) prefill_->ctas_per_sm(device.index);
+  if (prefill_ != nullptr) {
+    prefill_resident_ = device_props(device.index).num_sms * prefill_->ctas_per_sm(device.index);
+  }
   auto upload = [&](const std::vector<float>& v) {
     if (v.empty()) return Tensor{};
     const TensorView host =
@@ -341,7 +343,7 @@ void CudaImpl::forward(const ForwardArgs& a) {
     pp.num_q_tiles = int((max_rows + prefill_->block_m - 1) / prefill_->block_m);
     set_prefill_tma(pp, k, v, cached);
     pp.pingpong_min_tiles = pingpong_min_tiles_;
-    pp.persistent = prefill_persistent_;
+    pp.persistent = std::min(prefill_persistent_, prefill_resident_);
     prefill_->launch(pp, stream);
     if (!all) {
       p.num_q_tiles = prefill::kDecodeMaxRows / decode::kRows;

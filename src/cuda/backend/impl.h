@@ -39,11 +39,12 @@ class CudaImpl final : public AttentionImpl {
   bool checked_;
   PrefillRoute route_;
   bool bulk_copy_;
-  bool prefill_tma_;        // BackendOptions::prefill_tma
-  int pingpong_min_tiles_;  // BackendOptions::pingpong_min_tiles
-  int prefill_persistent_;  // BackendOptions::prefill_persistent
-  int mla_tma_rows_ = 0;    // TMA for MLA tiles at block sizes that are multiples of this (0: off)
-  DType cache_dtype_;       // what the kernels read K/V as (the activation dtype for encoder types)
+  bool prefill_tma_;          // BackendOptions::prefill_tma
+  int pingpong_min_tiles_;    // BackendOptions::pingpong_min_tiles
+  int prefill_persistent_;    // BackendOptions::prefill_persistent
+  int prefill_resident_ = 0;  // prefill CTAs resident on the device at once
+  int mla_tma_rows_ = 0;  // TMA for MLA tiles at block sizes that are multiples of this (0: off)
+  DType cache_dtype_;     // what the kernels read K/V as (the activation dtype for encoder types)
   const decode::DecodeKernel* decode_ = nullptr;
   const decode::CombineKernel* combine_ = nullptr;
   const prefill::PrefillKernel* prefill_ = nullptr;  // nullptr: the decode kernel takes all

@@ -75,9 +75,9 @@ struct DecodeParams {
   /// Hopper prefill only: a work tile with at least this many K/V tiles runs its consumer
   /// warpgroups in FA3's pingpong (turns to issue the matrix products); fewer, without.
   int pingpong_min_tiles;
-  /// Hopper prefill only: 0, one CTA per work tile; N > 0, min(N, resident) CTAs, each walking
-  /// work tiles blockIdx.x + i * gridDim.x (the next one's Q and K load while the current
-  /// one's rows are stored).
+  /// Hopper prefill only: 0, one CTA per work tile; N > 0, at most N CTAs (the backend passes
+  /// at most as many as are resident), each walking several work tiles (the next one's Q and K
+  /// load while the current one's rows are stored).
   int persistent;
   CUtensorMap k_map, v_map;  // 64-byte aligned by their type
 };

@@ -541,35 +541,25 @@ struct PrefillHost {
     decode::launch_with_pdl(kKernel, grid, dim3(T::kThreads), T::layout().total, stream, p);
   }
   // The Hopper kernel's 1-D grid over the work tiles (x fastest, the split slowest, as the 2-D
-  // grid above runs them): one CTA per work tile, or (p.persistent) as many as are resident at
-  // once, each walking the work tiles blockIdx.x, blockIdx.x + gridDim.x, ...
+  // grid above runs them): one CTA per work tile, or p.persistent CTAs (the backend caps it at
+  // the resident count), each walking several work tiles.
   template <Kernel kKernel>
   static void launch_tiles(const DecodeParams& p, cudaStream_t stream) {
     const int64_t total = int64_t(p.num_q_tiles) * p.num_seqs * p.num_kv_heads * p.num_splits;
     if (total == 0) return;
     int device = 0;
     PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
-    int64_t ctas = total;
-    if (p.persistent > 0) {
-      const int64_t resident = int64_t(device_props(device).num_sms) * ctas_per_sm<kKernel>(device);
-      ctas = std::min({total, resident, int64_t(p.persistent)});
-    } else {
-      prepare<kKernel>(device);
-    }
+    prepare<kKernel>(device);
+    const int64_t ctas = p.persistent > 0 ? std::min(total, int64_t(p.persistent)) : total;
     decode::launch_with_pdl(kKernel, dim3(unsigned(ctas)), dim3(T::kThreads), T::layout().total,
                             stream, p);
   }
   template <Kernel kKernel>
   static int ctas_per_sm(int device) {
-    // Asked once per device (the persistent launch sizes its grid by it at every launch).
-    static std::atomic<int> known[64];  // by device index & 63; 0: not asked yet
-    std::atomic<int>& slot = known[device & 63];
-    if (const int n = slot.load(std::memory_order_acquire); n > 0) return n;
     prepare<kKernel>(device);
     int n = 0;
     PAGEDATTN_CUDA_CHECK(
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, T::kThreads, T::layout().total));
-    slot.store(n, std::memory_order_release);
     return n;
   }
 };
