@@ -43,6 +43,8 @@ inline constexpr const char* kFp8MathEnvVar = "PAGEDATTN_CUDA_FP8_MATH";
 /// cp.async (row gathers by the producer's K and V halves). Measured on the H200 at block size
 /// 16 with the producer split [bench/results/2026-12-04-h200-pingpong-cee695b.txt]: cp.async
 /// 0.72-0.93x TMA (d128 0.79-0.84x, d256 0.81-0.84x, d64 0.91-0.93x, chunked 0.72-0.75x).
+/// The same switch takes Q's tiles (over a 16-bit cache) by TMA or by cp.async
+/// [bench/results/2026-12-04-h200-qtma.txt: TMA d128 1k +16%, 4k +6%, d256 4k +6%].
 inline constexpr const char* kPrefillCopyEnvVar = "PAGEDATTN_CUDA_PREFILL_COPY";
 /// Environment variable for the Hopper prefill kernel's pingpong between its consumer
 /// warpgroups: a CTA with at least this many K/V tiles takes turns (an integer >= 1), or off.

@@ -342,6 +342,7 @@ void CudaImpl::forward(const ForwardArgs& a) {
     decode::DecodeParams pp = p;
     pp.num_q_tiles = int((max_rows + prefill_->block_m - 1) / prefill_->block_m);
     set_prefill_tma(pp, k, v, cached);
+    set_prefill_q_tma(pp, a.query);
     pp.pingpong_min_tiles = pingpong_min_tiles_;
     pp.persistent = std::min(prefill_persistent_, prefill_resident_);
     prefill_->launch(pp, stream);
@@ -403,6 +404,32 @@ void CudaImpl::set_prefill_tma(decode::DecodeParams& p, const TensorView& k, con
     p.kv_tma = mode;
     p.kv_tma_rows = box;
   }
+}
+
+void CudaImpl::set_prefill_q_tma(decode::DecodeParams& p, const TensorView& query) const {
+  p.q_tma = 0;
+  // Only the Hopper kernel over a 16-bit cache takes it (prefill::kQTma); p.q is still the
+  // caller's query (query_quant replaces it with its fp8 copy).
+  if (!prefill_tma_ || prefill_->sm != 90 || prefill_->kv != decode::KVKind::kSame ||
+      prefill_->fp8_math || p.q != query.data) {
+    return;
+  }
+  const int g = p.group, rows = prefill_->block_m;
+  const int64_t e = 2;  // 16-bit activations
+  if (g <= 0 || rows % g != 0 || query.size(0) < rows / g || query.stride(2) != 1 ||
+      !aligned(query.data, 16) || (query.stride(0) * e) % 16 != 0 ||
+      (query.stride(1) * e) % 16 != 0) {
+    return;
+  }
+  const uint64_t dims[3] = {uint64_t(config_.head_size), uint64_t(query.size(1)),
+                            uint64_t(query.size(0))};
+  const uint64_t strides[2] = {uint64_t(query.stride(1) * e), uint64_t(query.stride(0) * e)};
+  const uint32_t box[3] = {64, uint32_t(g), uint32_t(rows / g)};
+  const char* why = nullptr;
+  p.q_tma = encode_tiled_sw128(&p.q_map, query.data, query.dtype == DType::kBF16, 3, dims, strides,
+                               box, &why)
+                ? 1
+                : 0;
 }
 
 void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {

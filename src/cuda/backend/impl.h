@@ -33,6 +33,9 @@ class CudaImpl final : public AttentionImpl {
   // its instance, the cache's block size and the strides allow them.
   void set_prefill_tma(decode::DecodeParams& p, const TensorView& k, const TensorView& v,
                        bool cached) const;
+  // ... and over Q (decode::DecodeParams::q_tma), when the group divides the kernel's rows and
+  // the query's strides allow.
+  void set_prefill_q_tma(decode::DecodeParams& p, const TensorView& query) const;
 
   AttentionConfig config_;
   Device device_;

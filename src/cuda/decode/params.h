@@ -72,6 +72,11 @@ struct DecodeParams {
   /// 0: every tile by cp.async.
   int kv_tma;
   int kv_tma_rows;  ///< rows per box: min(block_size, the kernel's tile) (kv_direct: the tile)
+  /// Hopper prefill over a 16-bit cache only (prefill::kQTma): Q tiles by TMA through q_map (3-D
+  /// over {head_size, heads, tokens}, one box of {64 columns, group heads, block_m / group tokens}
+  /// per panel: a work tile's packed rows in order), when the group divides block_m and the
+  /// query's strides allow. 0: Q by cp.async.
+  int q_tma;
   /// Hopper prefill only: a work tile with at least this many K/V tiles runs its consumer
   /// warpgroups in FA3's pingpong (turns to issue the matrix products); fewer, without.
   int pingpong_min_tiles;
@@ -79,7 +84,7 @@ struct DecodeParams {
   /// at most as many as are resident), each walking several work tiles (the next one's Q and K
   /// load while the current one's rows are stored).
   int persistent;
-  CUtensorMap k_map, v_map;  // 64-byte aligned by their type
+  CUtensorMap k_map, v_map, q_map;  // 64-byte aligned by their type
 };
 
 }  // namespace pagedattn::cuda::decode

@@ -10,7 +10,8 @@
 //             (DecodeParams::persistent) whose CTAs walk several; kBlockM = 128 packed rows
 //             per work tile, 384 threads.
 //   warps     warpgroup 0 (producer, 40 or 56 registers): Q per work tile (two buffers where
-//             they fit, so the next one's Q loads during this one's tiles), then the K and the V
+//             they fit, so the next one's Q loads during this one's tiles; over a 16-bit cache
+//             by TMA from one thread where DecodeParams::q_tma allows), then the K and the V
 //             tile of kBlockN keys into two-stage rings of their own. 16-bit caches: warps 0-1
 //             bring K and warps 2-3 V, each half on its own loop. Full tiles (head sizes that are
 //             multiples of 64, block sizes powers of two >= 8, or an encoder's key tensor) come by
@@ -77,6 +78,12 @@ __device__ __forceinline__ int tma_tiles(const DecodeParams& p, const decode::Wo
   const bool aligned = p.kv_direct || (w.kv_begin & (p.kv_tma_rows - 1)) == 0;
   return kTmaTiles<T> && p.kv_tma != 0 && aligned ? (w.kv_end - w.kv_begin) / T::kBlockN : 0;
 }
+
+// Instances whose Q may come by TMA (DecodeParams::q_tma): those over a 16-bit cache. The fp8
+// widening producer (40 registers, the busiest role there) spilled 56 bytes instead of 12 with
+// the TMA branch compiled in and lost 4% at d128 16k [H200, same call; ptxas -v].
+template <class T>
+inline constexpr bool kQTma = T::kv == KVKind::kSame && !T::kFp8Math;
 
 // Work tile k's Q buffer and the phase of its barriers.
 template <class T>
@@ -302,7 +309,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const Barriers<T::kStages> bars{reinterpret_cast<uint64_t*>(smem + lay.bar_offset)};
   if (threadIdx.x == 0) {
     for (int b = 0; b < lay.q_stages; ++b) {
-      ptx::mbarrier_init(bars.q_full(b), 128);
+      // TMA: one arrival with the box bytes; cp.async: one per producer thread.
+      ptx::mbarrier_init(bars.q_full(b), kQTma<T> && p.q_tma ? 1 : 128);
       ptx::mbarrier_init(bars.q_empty(b), 128 * T::kConsumers);
     }
     // One arrival per producer thread that brings the tile: the 16-bit producer splits into a
@@ -454,13 +462,13 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   constexpr Sm90Layout lay = T::layout();
   const int ct = int(threadIdx.x);
   const int it0 = seq.it;
-  // The consumers are done reading the Q of the work tile that last used this buffer (the
-  // first use passes at once).
   const int qb = q_buffer<T>(seq.k);
-  mbar_wait(bars.q_empty(qb), q_parity<T>(seq.k) ^ 1);
   unsigned char* const q_smem = smem + lay.q_offset + qb * lay.q_bytes;
-  // Q: packed row r -> token r / G, head kv_head * G + r % G; zeros past the rows.
+  // Q: packed row r -> token r / G, head kv_head * G + r % G. The copying threads first wait
+  // until the consumers are done reading the Q of the work tile that last used this buffer
+  // (the first use passes at once).
   if constexpr (T::kFp8Math) {
+    mbar_wait(bars.q_empty(qb), q_parity<T>(seq.k) ^ 1);
     constexpr int kQChunks = D / 16;
     for (int c = ct; c < kBlockM * kQChunks; c += 128) {
       const int row = c / kQChunks;
@@ -469,12 +477,34 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
     ptx::fence_proxy_async(ptx::space_shared);  // generic stores, then the wgmmas read them
     ptx::mbarrier_arrive(bars.q_full(qb));
   } else {
-    for (int c = ct; c < kBlockM * kChunks; c += 128) {
-      const int row = c / kChunks, col = c - row * kChunks;
-      copy_q_chunk<T::act>(p, w, row, col,
-                           q_smem + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7));
+    if (kQTma<T> && p.q_tma) {
+      // One box per panel: {64 columns, G heads, kBlockM / G tokens} is the work tile's packed
+      // rows in order. Rows past the request are the next request's (or zeros past the
+      // tensor): each row of S, P and O depends on its own Q row only, and store_rows skips
+      // them. One thread, so Q costs the producer nothing: its cp.async copy (an integer
+      // division by G per chunk) came late enough that the consumers' wait for Q was 3.5% of
+      // all warp samples [ncu, d128 4k, f376772].
+      if (ct == 0) {
+        mbar_wait(bars.q_empty(qb), q_parity<T>(seq.k) ^ 1);
+        ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
+                                       bars.q_full(qb), uint32_t(T::kPanels * lay.q_panel));
+        const int32_t head = w.kv_head * p.group, token = w.q_begin + w.row0 / p.group;
+#pragma unroll
+        for (int k = 0; k < T::kPanels; ++k) {
+          const int32_t c3[3] = {64 * k, head, token};
+          ptx::cp_async_bulk_tensor(ptx::space_shared, ptx::space_global, q_smem + k * lay.q_panel,
+                                    &p.q_map, c3, bars.q_full(qb));
+        }
+      }
+    } else {
+      mbar_wait(bars.q_empty(qb), q_parity<T>(seq.k) ^ 1);
+      for (int c = ct; c < kBlockM * kChunks; c += 128) {
+        const int row = c / kChunks, col = c - row * kChunks;
+        copy_q_chunk<T::act>(p, w, row, col,
+                             q_smem + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7));
+      }
+      ptx::cp_async_mbarrier_arrive_noinc(bars.q_full(qb));
     }
-    ptx::cp_async_mbarrier_arrive_noinc(bars.q_full(qb));
   }
 
   const KvRows kv(p, w, T::kKvBytes);
@@ -681,18 +711,29 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
     if (pingpong) sm90::named_barrier_arrive(2 + (cw + 1) % T::kConsumers, 256);
   };
   if (pingpong && !seq.turns_open && cw == 0) sm90::named_barrier_arrive(2, 256);
+  // The operand descriptors: from head size 128 and for the fp8 products built once per work
+  // tile and advanced by constants per k step and by the stage's offset (sm90::desc_advance;
+  // [SASS d128] uniform instructions in the consumer loop 111 -> 91; [H200, same call] d256
+  // +3-5%, d128 +1%), else built per k step (16-bit d64 lost 3-4% to the advanced ones).
+  constexpr bool kAdvance = D >= 128 || T::kFp8Math;
+  const uint32_t v0 = stage0 + T::kPanels * lay.kv_panel;
+  const uint64_t q_desc = sm90::sw128_desc(q_base, 16, 1024);
+  const uint64_t k_desc = sm90::sw128_desc(stage0, 16, 1024);
+  const uint64_t v_desc = sm90::sw128_desc(v0, T::kFp8Math ? 16 : lay.kv_panel, 1024);
   // S = Q K^T of the tile in stage s (K-major operands: a k step of 16 16-bit or 32 e4m3
   // columns is +32 B in a panel).
   auto issue_s = [&](float(&sacc)[kSn][4], int s) {
-    const uint32_t k_base = stage0 + s * lay.stage_bytes;
+    const uint64_t k_at = sm90::desc_advance(k_desc, s * lay.stage_bytes);
     sm90::fence_operands(sacc);
     sm90::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < D / kPk; ++ks) {
+      const uint32_t qo = (ks >> 2) * lay.q_panel + (ks & 3) * 32;
+      const uint32_t ko = (ks >> 2) * lay.kv_panel + (ks & 3) * 32;
       const uint64_t da =
-          sm90::sw128_desc(q_base + (ks >> 2) * lay.q_panel + (ks & 3) * 32, 16, 1024);
-      const uint64_t db =
-          sm90::sw128_desc(k_base + (ks >> 2) * lay.kv_panel + (ks & 3) * 32, 16, 1024);
+          kAdvance ? sm90::desc_advance(q_desc, qo) : sm90::sw128_desc(q_base + qo, 16, 1024);
+      const uint64_t db = kAdvance ? sm90::desc_advance(k_at, ko)
+                                   : sm90::sw128_desc(stage0 + s * lay.stage_bytes + ko, 16, 1024);
       if constexpr (T::kFp8Math) {
         sm90::WgmmaE4M3<kBlockN>::ss(sacc, da, db, ks > 0);
       } else {
@@ -704,15 +745,17 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   // O += P V of the tile in stage s. 16-bit: V is MN-major (16 keys are +2048 B, panels lbo
   // apart). e4m3: Vt is K-major (32 keys are +32 B of its rows).
   auto issue_pv = [&](int s) {
-    const uint32_t v_base = stage0 + s * lay.stage_bytes + T::kPanels * lay.kv_panel;
+    const uint64_t v_at = sm90::desc_advance(v_desc, s * lay.stage_bytes);
     sm90::fence_operands(o);
     sm90::wgmma_fence();
 #pragma unroll
     for (int c = 0; c < kBlockN / kPk; ++c) {
       if constexpr (T::kFp8Math) {
-        sm90::WgmmaE4M3<D>::rs(o, pa[c], sm90::sw128_desc(v_base + c * 32, 16, 1024), 1);
+        sm90::WgmmaE4M3<D>::rs(o, pa[c], sm90::desc_advance(v_at, c * 32), 1);
       } else {
-        const uint64_t dv = sm90::sw128_desc(v_base + c * 2048, lay.kv_panel, 1024);
+        const uint64_t dv =
+            kAdvance ? sm90::desc_advance(v_at, c * 2048)
+                     : sm90::sw128_desc(v0 + s * lay.stage_bytes + c * 2048, lay.kv_panel, 1024);
         sm90::Wgmma<D, kBF16>::template rs<1>(o, pa[c], dv, 1);
       }
     }
@@ -748,8 +791,8 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   // only for what cp.async wrote (generic proxy, its completion arriving on the barrier with no
   // fence of the writer's). TMA writes through the async proxy, and the fp8 producers fence
   // their own stores (the widened panels, the transposed V) before arriving. The first tile of
-  // a work tile always fences: its Q came by cp.async. [SASS] the fence is a MEMBAR.ALL.CTA
-  // and a FENCE.VIEW.ASYNC.S.
+  // a work tile always fences: its Q may have come by cp.async. [SASS] the fence is a
+  // MEMBAR.ALL.CTA and a FENCE.VIEW.ASYNC.S.
   const int n_tma = tma_tiles<T>(p, w);
   auto k_fence = [&](int j) { return T::kFp8Math || (T::kv == KVKind::kSame && j >= n_tma); };
   auto v_fence = [&](int j) { return T::kv == KVKind::kSame && j >= n_tma; };
@@ -767,7 +810,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
     {
       const int s = stage(j_lo);
       mbar_wait(bars.k_full(s), parity(j_lo));
-      ptx::fence_proxy_async(ptx::space_shared);  // also for Q, which came by cp.async
+      ptx::fence_proxy_async(ptx::space_shared);  // also for Q (cp.async without q_tma)
       float sacc[kSn][4], corr[2];
       turn_begin();
       issue_s(sacc, s);

@@ -57,6 +57,15 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint
          (uint64_t(1) << 62);
 }
 
+/// `d` moved `bytes` (a multiple of 16) further into shared memory: a 32-bit add on the
+/// descriptor's low word, whose start-address field (bits 0-13, address / 16) cannot carry into
+/// the leading-byte-offset field for addresses below 256 KiB. Descriptors built once per work
+/// tile and advanced per k step cost one uniform add each instead of the mask, shift and ors of
+/// sw128_desc (ptxas does not fold those across the unrolled steps).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t d, uint32_t bytes) {
+  return (d & 0xFFFFFFFF00000000ull) | uint64_t(uint32_t(d) + (bytes >> 4));
+}
+
 /// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` inside a 128-byte-swizzled panel
 /// whose rows are 128 bytes: the chunk index is XORed with the row index modulo 8.
 __device__ __forceinline__ uint32_t sw128_offset(int row, int chunk) {
