@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -17,6 +18,7 @@
 #include "common/expect_error.h"
 #include "cuda/backend/cuda_backend.h"
 #include "cuda/backend/plan.h"
+#include "cuda/backend/q_map.h"
 #include "cuda/decode/launch.h"
 #include "pagedattn/accuracy.h"
 #include "pagedattn/error.h"
@@ -151,6 +153,54 @@ TEST(CudaBackendHost, PlanSizesTheWorkspaceForItsSplits) {
 
 // The Hopper prefill switches read from the environment: values, defaults, and errors that name
 // the variable.
+TEST(CudaBackendHost, QueryMapTakesWholeBoxesOfAlignedRows) {
+  void* const base = reinterpret_cast<void*>(uintptr_t(1) << 20);
+  cuda::QMapShape q;
+  const char* why = nullptr;
+  // GQA 32/8, d128: one box per panel of 4 heads x 32 tokens, the work tile's 128 packed rows.
+  const TensorView dense = TensorView::contiguous(base, DType::kBF16, {1000, 32, 128});
+  ASSERT_TRUE(cuda::q_map_shape(dense, 128, 4, 128, &q, &why)) << why;
+  EXPECT_EQ(q.dims[0], 128u);
+  EXPECT_EQ(q.dims[1], 32u);
+  EXPECT_EQ(q.dims[2], 1000u);
+  EXPECT_EQ(q.strides[0], 256u);
+  EXPECT_EQ(q.strides[1], 8192u);
+  EXPECT_EQ(q.box[0], 64u);
+  EXPECT_EQ(q.box[1], 4u);
+  EXPECT_EQ(q.box[2], 32u);
+  // The query part of a fused QKV projection: strided tokens are fine.
+  TensorView fused = dense;
+  fused.strides[0] = 3 * 32 * 128;
+  ASSERT_TRUE(cuda::q_map_shape(fused, 128, 4, 128, &q, &why)) << why;
+  EXPECT_EQ(q.strides[1], 3u * 8192u);
+  // MHA (a group of 1): 128 tokens per box.
+  ASSERT_TRUE(cuda::q_map_shape(dense, 128, 1, 128, &q, &why)) << why;
+  EXPECT_EQ(q.box[1], 1u);
+  EXPECT_EQ(q.box[2], 128u);
+  // Refused, each with its reason: a group of 7 (28 / 4 heads), fewer tokens than a box, a
+  // base or a row stride off 16 bytes, non-contiguous rows, a 32-bit query.
+  const TensorView qwen = TensorView::contiguous(base, DType::kBF16, {1000, 28, 128});
+  EXPECT_FALSE(cuda::q_map_shape(qwen, 128, 7, 128, &q, &why));
+  EXPECT_NE(std::string(why).find("group"), std::string::npos) << why;
+  const TensorView few = TensorView::contiguous(base, DType::kBF16, {31, 32, 128});
+  EXPECT_FALSE(cuda::q_map_shape(few, 128, 4, 128, &q, &why));
+  EXPECT_NE(std::string(why).find("tokens"), std::string::npos) << why;
+  TensorView shifted = dense;
+  shifted.data = static_cast<char*>(base) + 2;
+  EXPECT_FALSE(cuda::q_map_shape(shifted, 128, 4, 128, &q, &why));
+  EXPECT_NE(std::string(why).find("16 bytes"), std::string::npos) << why;
+  const TensorView odd = TensorView::contiguous(base, DType::kBF16, {1000, 32, 68});
+  EXPECT_FALSE(cuda::q_map_shape(odd, 68, 4, 128, &q, &why));
+  EXPECT_NE(std::string(why).find("16 bytes"), std::string::npos) << why;
+  TensorView columns = dense;
+  columns.strides[2] = 2;
+  EXPECT_FALSE(cuda::q_map_shape(columns, 128, 4, 128, &q, &why));
+  EXPECT_NE(std::string(why).find("contiguous"), std::string::npos) << why;
+  const TensorView f32 = TensorView::contiguous(base, DType::kF32, {1000, 32, 128});
+  EXPECT_FALSE(cuda::q_map_shape(f32, 128, 4, 128, &q, &why));
+  EXPECT_NE(std::string(why).find("16-bit"), std::string::npos) << why;
+}
+
 TEST(CudaBackendHost, PrefillSwitchesFromTheEnvironment) {
   struct Var {
     const char* name;

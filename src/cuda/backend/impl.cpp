@@ -8,6 +8,7 @@
 #include "cuda/backend/checked.h"
 #include "cuda/backend/mla_route.h"
 #include "cuda/backend/plan.h"
+#include "cuda/backend/q_map.h"
 #include "cuda/common/device_props.h"
 #include "cuda/common/tensor_map.h"
 #include "cuda/decode/config.h"
@@ -414,20 +415,11 @@ void CudaImpl::set_prefill_q_tma(decode::DecodeParams& p, const TensorView& quer
       prefill_->fp8_math || p.q != query.data) {
     return;
   }
-  const int g = p.group, rows = prefill_->block_m;
-  const int64_t e = 2;  // 16-bit activations
-  if (g <= 0 || rows % g != 0 || query.size(0) < rows / g || query.stride(2) != 1 ||
-      !aligned(query.data, 16) || (query.stride(0) * e) % 16 != 0 ||
-      (query.stride(1) * e) % 16 != 0) {
-    return;
-  }
-  const uint64_t dims[3] = {uint64_t(config_.head_size), uint64_t(query.size(1)),
-                            uint64_t(query.size(0))};
-  const uint64_t strides[2] = {uint64_t(query.stride(1) * e), uint64_t(query.stride(0) * e)};
-  const uint32_t box[3] = {64, uint32_t(g), uint32_t(rows / g)};
+  QMapShape q;
   const char* why = nullptr;
-  p.q_tma = encode_tiled_sw128(&p.q_map, query.data, query.dtype == DType::kBF16, 3, dims, strides,
-                               box, &why)
+  if (!q_map_shape(query, config_.head_size, p.group, prefill_->block_m, &q, &why)) return;
+  p.q_tma = encode_tiled_sw128(&p.q_map, query.data, query.dtype == DType::kBF16, 3, q.dims,
+                               q.strides, q.box, &why)
                 ? 1
                 : 0;
 }
