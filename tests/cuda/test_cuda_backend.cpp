@@ -179,26 +179,20 @@ TEST(CudaBackendHost, QueryMapTakesWholeBoxesOfAlignedRows) {
   EXPECT_EQ(q.box[2], 128u);
   // Refused, each with its reason: a group of 7 (28 / 4 heads), fewer tokens than a box, a
   // base or a row stride off 16 bytes, non-contiguous rows, a 32-bit query.
-  const TensorView qwen = TensorView::contiguous(base, DType::kBF16, {1000, 28, 128});
-  EXPECT_FALSE(cuda::q_map_shape(qwen, 128, 7, 128, &q, &why));
-  EXPECT_NE(std::string(why).find("group"), std::string::npos) << why;
-  const TensorView few = TensorView::contiguous(base, DType::kBF16, {31, 32, 128});
-  EXPECT_FALSE(cuda::q_map_shape(few, 128, 4, 128, &q, &why));
-  EXPECT_NE(std::string(why).find("tokens"), std::string::npos) << why;
+  auto refused = [&](const TensorView& v, int head_size, int group, const char* reason) {
+    EXPECT_FALSE(cuda::q_map_shape(v, head_size, group, 128, &q, &why)) << reason;
+    EXPECT_NE(std::string(why).find(reason), std::string::npos) << why;
+  };
+  refused(TensorView::contiguous(base, DType::kBF16, {1000, 28, 128}), 128, 7, "group");
+  refused(TensorView::contiguous(base, DType::kBF16, {31, 32, 128}), 128, 4, "tokens");
   TensorView shifted = dense;
   shifted.data = static_cast<char*>(base) + 2;
-  EXPECT_FALSE(cuda::q_map_shape(shifted, 128, 4, 128, &q, &why));
-  EXPECT_NE(std::string(why).find("16 bytes"), std::string::npos) << why;
-  const TensorView odd = TensorView::contiguous(base, DType::kBF16, {1000, 32, 68});
-  EXPECT_FALSE(cuda::q_map_shape(odd, 68, 4, 128, &q, &why));
-  EXPECT_NE(std::string(why).find("16 bytes"), std::string::npos) << why;
+  refused(shifted, 128, 4, "16 bytes");
+  refused(TensorView::contiguous(base, DType::kBF16, {1000, 32, 68}), 68, 4, "16 bytes");
   TensorView columns = dense;
   columns.strides[2] = 2;
-  EXPECT_FALSE(cuda::q_map_shape(columns, 128, 4, 128, &q, &why));
-  EXPECT_NE(std::string(why).find("contiguous"), std::string::npos) << why;
-  const TensorView f32 = TensorView::contiguous(base, DType::kF32, {1000, 32, 128});
-  EXPECT_FALSE(cuda::q_map_shape(f32, 128, 4, 128, &q, &why));
-  EXPECT_NE(std::string(why).find("16-bit"), std::string::npos) << why;
+  refused(columns, 128, 4, "contiguous");
+  refused(TensorView::contiguous(base, DType::kF32, {1000, 32, 128}), 128, 4, "16-bit");
 }
 
 TEST(CudaBackendHost, PrefillSwitchesFromTheEnvironment) {
