@@ -34,6 +34,13 @@ struct Tolerance {
 /// cases the low-precision baseline already carries the cache's quantisation.
 Tolerance default_tolerance(DType dtype);
 
+/// The tolerance for an LSE (stored in float32) whose largest finite reference value is
+/// `max_ref` in magnitude: multiple 2 and atol = max(1e-5, 8 * 2^-23 * max_ref), eight float32
+/// units in the last place of the largest LSE. A float32 LSE is already rounded by half a unit,
+/// and the same terms summed in another order move it by a few (at |LSE| ~ 70 one unit is
+/// 7.6e-6, so a flat 1e-5 there allowed barely one).
+Tolerance lse_tolerance(double max_ref);
+
 /// True when `got` (vs the reference) is within the budget set by `baseline` (the naive
 /// low-precision run vs the reference): no non-finite mismatch, and
 /// got.max_abs <= tol.multiple * baseline.max_abs + tol.atol.

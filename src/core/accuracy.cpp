@@ -1,5 +1,6 @@
 #include "pagedattn/accuracy.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <sstream>
@@ -60,6 +61,13 @@ Tolerance default_tolerance(DType dtype) {
     default:
       return {2.0, 1e-5};
   }
+}
+
+Tolerance lse_tolerance(double max_ref) {
+  constexpr double kUlpsAllowed = 8.0, kF32Epsilon = 1.0 / double(1 << 23);
+  Tolerance t = default_tolerance(DType::kF32);
+  t.atol = std::max(t.atol, kUlpsAllowed * kF32Epsilon * max_ref);
+  return t;
 }
 
 bool within_budget(const ErrorStats& got, const ErrorStats& baseline, const Tolerance& tol) {

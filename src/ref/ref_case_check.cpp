@@ -104,7 +104,7 @@ CaseCheck check_case(const Case& c, const CaseResult& result) {
   if (with_lse) {
     auto cols = [num_actual](const Tensor& t) { return t.view().slice(1, 0, num_actual); };
     check.lse = check_tensor(cols(result.lse), cols(exact.lse), cols(baseline.lse),
-                             default_tolerance(DType::kF32));
+                             lse_tolerance(compare(cols(exact.lse), cols(exact.lse)).max_ref));
   }
 
   if (exact.kv_cache.defined()) {

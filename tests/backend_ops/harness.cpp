@@ -286,7 +286,7 @@ CaseResult run_case(const Backend& backend, const OpCase& k, const RunOptions& o
     failures.push_back(cat("output error ", res.output_error.to_string(), " exceeds ", tol.multiple,
                            " x ", res.output_budget.max_abs, " + ", tol.atol));
   }
-  const Tolerance lse_tol = default_tolerance(DType::kF32);
+  const Tolerance lse_tol = lse_tolerance(res.lse_budget.max_ref);
   if (!within_budget(res.lse_error, res.lse_budget, lse_tol)) {
     failures.push_back(cat("lse error ", res.lse_error.to_string(), " exceeds ", lse_tol.multiple,
                            " x ", res.lse_budget.max_abs, " + ", lse_tol.atol));

@@ -89,7 +89,7 @@ std::string check_parallel_rule(const ParallelReference& ref, DType dtype, const
   const ErrorStats eb = compare(rows(naive.output.view()), rows(ref.exact.output.view()));
   const ErrorStats l = compare(cols(lse), cols(ref.exact.lse.view()));
   const ErrorStats lb = compare(cols(naive.lse.view()), cols(ref.exact.lse.view()));
-  const Tolerance tol = default_tolerance(dtype), lse_tol = default_tolerance(DType::kF32);
+  const Tolerance tol = default_tolerance(dtype), lse_tol = lse_tolerance(lb.max_ref);
   std::string why;
   if (!within_budget(e, eb, tol)) {
     why += detail::cat("output ", e.to_string(), " exceeds ", tol.multiple, " x ", eb.max_abs,

@@ -2,7 +2,8 @@
 //
 // Map
 //   computes  what prefill/kernel.cuh computes (same rows, routing, splits, masks, features and
-//             outputs: prefill_work, softmax_scores and store_rows are shared), for 16-bit
+//             outputs: prefill_work and softmax_scores are shared; the rows go out through
+//             shared memory, sm90_epilogue.cuh, or by store_rows), for 16-bit
 //             activations over a cache of the same type or fp8 (e4m3 / e5m2, widened by the
 //             producer) at head sizes 64 to 256 (multiples of 16; fp8 to 192).
 //   grid      1-D over the portable kernel's work tiles (q tiles slowest and reversed x
@@ -42,6 +43,7 @@
 #include "cuda/arch/sm80/shared.cuh"
 #include "cuda/arch/sm90/wgmma.cuh"
 #include "cuda/prefill/kernel.cuh"
+#include "cuda/prefill/sm90_epilogue.cuh"
 
 namespace pagedattn::cuda::prefill {
 
@@ -862,10 +864,19 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
     ptx::mbarrier_arrive(bars.v_empty(last));
   }
   for (int j = j_hi; j < n_tiles; ++j) skip(j);
-  // Every wgmma reading Q has been waited for: the producer may load a later work tile's Q
-  // into this buffer while these rows are stored.
-  ptx::mbarrier_arrive(bars.q_empty(qb));
-  store_rows<T::act>(p, w, o, m, l, row_a, t4);
+  // Every wgmma reading Q has been waited for: from head size 80, O's rows go through the
+  // warpgroup's own Q rows, and the producer may load a later work tile's Q into this buffer
+  // once they are read back. e4m3 Q rows are half as wide as O's, and d64 was 1-2% slower
+  // staged (d80 ViT 4% faster, d128 / d256 equal) [H200, same call, 2026-12-04-h200-epilogue]:
+  // those store from the fragments.
+  constexpr bool kStaged = !T::kFp8Math && D >= 80;
+  if (kStaged && staged_store(p)) {
+    store_rows_staged<T::act>(p, w, o, m, l, wg_row0 + 16 * warp, q_base + 16 * warp * 128,
+                              lay.q_panel, lane, bars.q_empty(qb));
+  } else {
+    ptx::mbarrier_arrive(bars.q_empty(qb));
+    store_rows<T::act>(p, w, o, m, l, row_a, t4);
+  }
 }
 
 template <class T>

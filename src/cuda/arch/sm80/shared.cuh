@@ -3,6 +3,8 @@
 // conversion, these to one LDS / STS.
 #pragma once
 
+#include <vector_types.h>
+
 #include <cstdint>
 
 namespace pagedattn::cuda::sm80 {
@@ -15,6 +17,15 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
 
 __device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
 }
 
 }  // namespace pagedattn::cuda::sm80
