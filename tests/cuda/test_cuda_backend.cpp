@@ -201,7 +201,9 @@ TEST(CudaBackendHost, PrefillSwitchesFromTheEnvironment) {
     std::string saved;
     bool had;
   };
-  Var vars[] = {{cuda::kPersistentEnvVar, "", false}, {cuda::kPingpongEnvVar, "", false}};
+  Var vars[] = {{cuda::kPersistentEnvVar, "", false},
+                {cuda::kPingpongEnvVar, "", false},
+                {cuda::kPairGroupEnvVar, "", false}};
   for (Var& v : vars) {
     if (const char* s = std::getenv(v.name)) v.saved = s, v.had = true;
     unsetenv(v.name);
@@ -223,6 +225,18 @@ TEST(CudaBackendHost, PrefillSwitchesFromTheEnvironment) {
   EXPECT_EQ(cuda::backend_options_from_env().pingpong_min_tiles, std::numeric_limits<int>::max());
   setenv(cuda::kPingpongEnvVar, "0", 1);
   EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, cuda::kPingpongEnvVar);
+  unsetenv(cuda::kPingpongEnvVar);
+  EXPECT_EQ(cuda::backend_options_from_env().prefill_pair_group, 0);  // auto
+  const std::pair<const char*, int> group[] = {
+      {"auto", 0}, {"all", std::numeric_limits<int>::max()}, {"1", 1}, {"48", 48}};
+  for (const auto& [text, want] : group) {
+    setenv(cuda::kPairGroupEnvVar, text, 1);
+    EXPECT_EQ(cuda::backend_options_from_env().prefill_pair_group, want) << text;
+  }
+  for (const char* bad : {"0", "-1", "some", "3 "}) {
+    setenv(cuda::kPairGroupEnvVar, bad, 1);
+    EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, cuda::kPairGroupEnvVar);
+  }
   for (const Var& v : vars) {
     if (v.had) {
       setenv(v.name, v.saved.c_str(), 1);

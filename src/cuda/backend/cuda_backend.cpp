@@ -99,6 +99,14 @@ BackendOptions backend_options_from_env() {
             kPersistentEnvVar, " ('", v, "') must be on, off or an integer >= 1");
     o.prefill_persistent = v == "on" ? INT_MAX : v == "off" ? 0 : int(n);
   }
+  if (const char* s = std::getenv(kPairGroupEnvVar); s && *s) {
+    const std::string v(s);
+    char* end = nullptr;
+    const long n = std::strtol(s, &end, 10);
+    require(v == "auto" || v == "all" || (end && *end == '\0' && n >= 1 && n <= INT_MAX),
+            kPairGroupEnvVar, " ('", v, "') must be auto, all or an integer >= 1");
+    o.prefill_pair_group = v == "auto" ? 0 : v == "all" ? INT_MAX : int(n);
+  }
   if (const char* s = std::getenv(kFp8MathEnvVar); s && *s) {
     const std::string v(s);
     require(v == "on" || v == "off", kFp8MathEnvVar, " ('", v, "') must be on or off");

@@ -64,6 +64,21 @@ inline constexpr const char* kPersistentEnvVar = "PAGEDATTN_CUDA_PREFILL_PERSIST
 /// work tile: causal d128 1k +13%, 4k +3%; d64 1k +30%, 4k +9%, 16k +3%; ViT +14-27%; fp8
 /// products at 4k +7-14%; chunked prefill equal; d256 16k -3% (its Q is not double-buffered).
 inline constexpr int kPrefillPersistent = INT_MAX;
+/// Environment variable for the order in which the prefill kernels walk their work tiles: the
+/// (request, KV head) pairs in groups of N (an integer >= 1), the q tiles longest first within
+/// a group, so that the CTAs running at once read one group's K/V and find it in L2; all (one
+/// group: every pair's q tile of one length, then the next length); or auto (the default: as
+/// many pairs as fit kPrefillL2Share of the L2 at max_seq_len keys, at least
+/// kPrefillMinPairGroup). Measured [H200, same binary and call,
+/// bench/results/2026-12-04-h200-epilogue.txt] against all: causal d128 1k +8%, 2k +4%, 4k +2%,
+/// d256 4k +2%, ViT s1025 +4-6%, elsewhere within 1%; without the floor (one to three pairs
+/// per group at 16k) d128 16k -2% and d256 16k -10%, and a group of 8 at d128 1k -12%: few
+/// pairs at once is slower even where their K/V fits.
+inline constexpr const char* kPairGroupEnvVar = "PAGEDATTN_CUDA_PREFILL_PAIR_GROUP";
+/// The share of the L2 the auto pair group's K/V may take.
+inline constexpr double kPrefillL2Share = 0.5;
+/// The fewest pairs per auto group.
+inline constexpr int kPrefillMinPairGroup = 8;
 
 /// How the MLA kernel copies full tiles (kMlaCopyEnvVar).
 enum class MlaCopy : uint8_t { kAuto, kTma, kCpAsync };
@@ -103,11 +118,14 @@ struct BackendOptions {
   /// Hopper prefill: at most this many persistent CTAs (kPersistentEnvVar; INT_MAX: as many as
   /// are resident; 0: one CTA per work tile).
   int prefill_persistent = kPrefillPersistent;
+  /// Prefill kernels: (request, KV head) pairs per group of the work-tile walk
+  /// (kPairGroupEnvVar; 0: auto, INT_MAX: all in one group).
+  int prefill_pair_group = 0;
 };
 
 /// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS, PAGEDATTN_CUDA_PREFILL,
 /// PAGEDATTN_CUDA_PREFILL_KERNEL, PAGEDATTN_CUDA_DECODE_COPY, PAGEDATTN_CUDA_MLA, the MLA copy,
-/// fp8-math, prefill-copy, pingpong and persistent variables above.
+/// fp8-math, prefill-copy, pingpong, persistent and pair-group variables above.
 BackendOptions backend_options_from_env();
 
 std::unique_ptr<Backend> make_backend(const BackendOptions& options = backend_options_from_env());

@@ -75,7 +75,8 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
       bulk_copy_(use_bulk_copy(config, options.decode_copy, device_props(device.index).cc_major)),
       prefill_tma_(options.prefill_tma),
       pingpong_min_tiles_(options.pingpong_min_tiles),
-      prefill_persistent_(options.prefill_persistent) {
+      prefill_persistent_(options.prefill_persistent),
+      prefill_pair_group_(options.prefill_pair_group) {
   require<NotSupported>(device.is_cuda(), "cuda backend: device ", to_string(device),
                         " is not a CUDA device");
   const bool cached = uses_kv_cache(config.attn_type);
@@ -127,6 +128,7 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
   decode_->ctas_per_sm(device.index);
   if (prefill_ != nullptr) {
     prefill_resident_ = device_props(device.index).num_sms * prefill_->ctas_per_sm(device.index);
+    l2_bytes_ = device_props(device.index).l2_bytes;
   }
   auto upload = [&](const std::vector<float>& v) {
     if (v.empty()) return Tensor{};
@@ -346,6 +348,7 @@ void CudaImpl::forward(const ForwardArgs& a) {
     set_prefill_q_tma(pp, a.query);
     pp.pingpong_min_tiles = pingpong_min_tiles_;
     pp.persistent = std::min(prefill_persistent_, prefill_resident_);
+    pp.pair_group = prefill_pair_group(md);
     prefill_->launch(pp, stream);
     if (!all) {
       p.num_q_tiles = prefill::kDecodeMaxRows / decode::kRows;
@@ -355,6 +358,15 @@ void CudaImpl::forward(const ForwardArgs& a) {
     decode_->launch(p, stream, /*pdl=*/true);
   }
   if (p.num_splits > 1) combine_->launch(p, stream);
+}
+
+int CudaImpl::prefill_pair_group(const AttentionMetadata& md) const {
+  if (prefill_pair_group_ != 0) return prefill_pair_group_;
+  // A pair's K and V at the longest sequence's keys, as the kernel reads them.
+  const int64_t keys = std::max({md.max_seq_len, md.max_query_len, 1});
+  const int64_t pair_bytes = keys * config_.head_size * 2 * int64_t(dtype_size(cache_dtype_));
+  const int64_t budget = int64_t(double(l2_bytes_) * kPrefillL2Share);
+  return int(std::clamp<int64_t>(budget / pair_bytes, kPrefillMinPairGroup, INT_MAX));
 }
 
 void CudaImpl::set_prefill_tma(decode::DecodeParams& p, const TensorView& k, const TensorView& v,

@@ -36,6 +36,10 @@ class CudaImpl final : public AttentionImpl {
   // ... and over Q (decode::DecodeParams::q_tma), when the group divides the kernel's rows and
   // the query's strides allow.
   void set_prefill_q_tma(decode::DecodeParams& p, const TensorView& query) const;
+  // The prefill kernels' pairs per group of their work-tile walk (decode::DecodeParams::
+  // pair_group): the option's, or as many (request, KV head) pairs as fit kPrefillL2Share of
+  // the L2 at md.max_seq_len keys, at least kPrefillMinPairGroup.
+  int prefill_pair_group(const AttentionMetadata& md) const;
 
   AttentionConfig config_;
   Device device_;
@@ -45,7 +49,9 @@ class CudaImpl final : public AttentionImpl {
   bool prefill_tma_;          // BackendOptions::prefill_tma
   int pingpong_min_tiles_;    // BackendOptions::pingpong_min_tiles
   int prefill_persistent_;    // BackendOptions::prefill_persistent
+  int prefill_pair_group_;    // BackendOptions::prefill_pair_group
   int prefill_resident_ = 0;  // prefill CTAs resident on the device at once
+  int64_t l2_bytes_ = 0;      // the device's L2
   int mla_tma_rows_ = 0;  // TMA for MLA tiles at block sizes that are multiples of this (0: off)
   DType cache_dtype_;     // what the kernels read K/V as (the activation dtype for encoder types)
   const decode::DecodeKernel* decode_ = nullptr;

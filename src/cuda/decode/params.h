@@ -84,6 +84,10 @@ struct DecodeParams {
   /// at most as many as are resident), each walking several work tiles (the next one's Q and K
   /// load while the current one's rows are stored).
   int persistent;
+  /// Prefill kernels: the work tiles walk the (request, KV head) pairs in groups of this many
+  /// (0: all in one group), the q tiles longest first within a group, so that the CTAs running
+  /// at once share the group's K/V in L2 (prefill_work).
+  int pair_group;
   CUtensorMap k_map, v_map, q_map;  // 64-byte aligned by their type
 };
 

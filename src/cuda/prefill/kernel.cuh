@@ -189,17 +189,24 @@ struct KvRows {
   }
 };
 
-// The CTA's request, KV head, rows and split of keys from its work tile (x: grid.x, q tile
-// slowest and reversed, so the tiles with the most causal keys start first; split: grid.y; the
+// The CTA's request, KV head, rows and split of keys from its work tile (x: grid.x, groups of
+// p.pair_group (request, KV head) pairs slowest, then the q tile, reversed so that the tiles
+// with the most causal keys start first, then the pair; split: grid.y; the
 // Hopper kernel passes the indices of each work tile it takes). False when the tile
 // has no rows: a request of the decode kernel's (q_len * G <= route_rows) or a q tile past
 // the request's query.
 __device__ __forceinline__ bool prefill_work(const DecodeParams& p, int block_m, int split_align,
                                              int x, int split, decode::Work& w) {
-  const int per_tile = p.num_seqs * p.num_kv_heads;
-  const int tile_rank = x / per_tile, rem = x - tile_rank * per_tile;
-  w.r = rem / p.num_kv_heads;
-  w.kv_head = rem - w.r * p.num_kv_heads;
+  // x -> group of pairs (slowest), q tile rank, pair within the group (fastest); the last
+  // group may be smaller.
+  const int pairs = p.num_seqs * p.num_kv_heads;
+  const int group_pairs = p.pair_group > 0 ? min(p.pair_group, pairs) : pairs;
+  const int group = x / (group_pairs * p.num_q_tiles);
+  const int pair0 = group * group_pairs, size = min(group_pairs, pairs - pair0);
+  const int in = x - pair0 * p.num_q_tiles;
+  const int tile_rank = in / size, pair = pair0 + in - tile_rank * size;
+  w.r = pair / p.num_kv_heads;
+  w.kv_head = pair - w.r * p.num_kv_heads;
   w.q_begin = p.query_start_loc[w.r];
   w.q_len = p.query_start_loc[w.r + 1] - w.q_begin;
   w.kv_len = p.kv_direct ? w.q_len : p.seq_lens[w.r];
