@@ -31,13 +31,17 @@ if step check; then
 # Every row on the prefill kernel, each copy path named (the default is one of them), then one
 # CTA per work tile, then through one persistent CTA per launch (every work tile of a launch
 # walked by the same CTA: the rings, Q's buffers and the turns carried over), on both copy
-# paths and with turns in some work tiles only (those of 2 K/V tiles or more); then the auto
-# route with the defaults.
+# paths and with turns in some work tiles only (those of 2 K/V tiles or more), and with the
+# work tiles walked in groups of 3 (request, KV head) pairs (a smaller last group; one CTA per
+# work tile and on the portable kernel too); then the auto route with the defaults.
 for run in "cp.async PAGEDATTN_CUDA_PREFILL_COPY=cp.async" "tma PAGEDATTN_CUDA_PREFILL_COPY=tma" \
   "per-tile PAGEDATTN_CUDA_PREFILL_PERSISTENT=off" \
   "persist1 PAGEDATTN_CUDA_PREFILL_PERSISTENT=1" \
   "persist1-cp PAGEDATTN_CUDA_PREFILL_PERSISTENT=1 PAGEDATTN_CUDA_PREFILL_COPY=cp.async" \
-  "persist1-pp2 PAGEDATTN_CUDA_PREFILL_PERSISTENT=1 PAGEDATTN_CUDA_PINGPONG_MIN_TILES=2"; do
+  "persist1-pp2 PAGEDATTN_CUDA_PREFILL_PERSISTENT=1 PAGEDATTN_CUDA_PINGPONG_MIN_TILES=2" \
+  "group3 PAGEDATTN_CUDA_PREFILL_PAIR_GROUP=3" \
+  "group3-per-tile PAGEDATTN_CUDA_PREFILL_PAIR_GROUP=3 PAGEDATTN_CUDA_PREFILL_PERSISTENT=off" \
+  "group3-portable PAGEDATTN_CUDA_PREFILL_PAIR_GROUP=3 PAGEDATTN_CUDA_PREFILL_KERNEL=portable"; do
   # shellcheck disable=SC2086  # the run's variables, one word each
   PAGEDATTN_CUDA_PREFILL=all timeout 120 env ${run#* } $BO > "$O/bo_${run%% *}.log" 2>&1
   t "backend_ops, every row on the prefill kernel, ${run#* } rc=$?"
