@@ -7,8 +7,10 @@
 //             the logit scale and v_scale into the output, natural-log LSE), for the requests
 //             whose packed rows q_len * G exceed p.route_rows; the decode kernel takes the
 //             others in the same step (no host synchronisation decides the split).
-//   grid      x = num_q_tiles * num_seqs * num_kv_heads with the q tile slowest and reversed,
-//             so the tiles with the most causal keys start first; y = num_splits (the decode
+//   grid      x = num_q_tiles * num_seqs * num_kv_heads: groups of p.pair_group (request, KV
+//             head) pairs slowest (the CTAs running at once share their K/V in L2), then the q
+//             tile, reversed so the tiles with the most causal keys start first, then the pair
+//             (prefill_work); y = num_splits (the decode
 //             family's split-KV partials and combine). A CTA owns kBlockM = 128 packed rows
 //             (row p = token p / G, head kv_head * G + p % G: one K/V tile feeds every query
 //             head of its KV head) and the keys of its split.

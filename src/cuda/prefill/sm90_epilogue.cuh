@@ -25,7 +25,8 @@ __device__ __forceinline__ bool staged_store(const DecodeParams& p) {
 /// multiple of 16), as store_rows takes them. rows: the shared-window address of row wrow0 in
 /// the first 128-byte-swizzled panel, panels panel_bytes apart; every wgmma that read them must
 /// be complete. q_empty: the staging buffer's `empty` barrier, arrived on by every lane once
-/// its rows are read back (before the global stores: a proxy fence after them waited for them).
+/// its rows are read back (before the global stores, which the proxy fence would otherwise
+/// order too).
 template <DType kAct, int kNt>
 __device__ __forceinline__ void store_rows_staged(const DecodeParams& p, const decode::Work& w,
                                                   const float (&o)[kNt][4], const float (&m)[2],

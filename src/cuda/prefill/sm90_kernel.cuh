@@ -6,10 +6,10 @@
 //             shared memory, sm90_epilogue.cuh, or by store_rows), for 16-bit
 //             activations over a cache of the same type or fp8 (e4m3 / e5m2, widened by the
 //             producer) at head sizes 64 to 256 (multiples of 16; fp8 to 192).
-//   grid      1-D over the portable kernel's work tiles (q tiles slowest and reversed x
-//             requests x KV heads, then splits): one CTA per work tile, or a persistent grid
-//             (DecodeParams::persistent) whose CTAs walk several; kBlockM = 128 packed rows
-//             per work tile, 384 threads.
+//   grid      1-D over the portable kernel's work tiles (groups of (request, KV head) pairs x
+//             q tiles, reversed x pairs of the group, then splits): one CTA per work tile, or a
+//             persistent grid (DecodeParams::persistent) whose CTAs walk several; kBlockM = 128
+//             packed rows per work tile, 384 threads.
 //   warps     warpgroup 0 (producer, 40 or 56 registers): Q per work tile (two buffers where
 //             they fit, so the next one's Q loads during this one's tiles; over a 16-bit cache
 //             by TMA from one thread where DecodeParams::q_tma allows), then the K and the V
@@ -327,15 +327,16 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
   }
   __syncthreads();
-  // Work tiles numbered as the portable kernel's grid runs them (x fastest: q tile slowest and
-  // reversed, so the longest causal rows come first; the split slowest). A grid of one CTA per
-  // work tile (the default) takes one each; a persistent grid (DecodeParams::persistent)
-  // walks them in rounds of gridDim.x, CTA b taking number b of even rounds and number
-  // gridDim.x - 1 - b of odd ones: causal work tiles shrink along the numbering, and the snake
-  // evens out what each CTA gets (round-robin gave CTA 0 the longest tile of every round).
-  // Every role walks the same sequence, so the rings' stages and phases carry over from one
-  // work tile to the next and the producer loads the next one's Q and K during this one.
-  // (Each role computes the walk after its setmaxnreg: values live across it spilled.)
+  // Work tiles numbered as the portable kernel's grid runs them (x fastest: within a group of
+  // pairs the q tile slowest and reversed, so the longest causal rows come first; the split
+  // slowest). A grid of one CTA per work tile takes one each; a persistent grid
+  // (DecodeParams::persistent, the backend's default) walks them in rounds of gridDim.x, CTA b
+  // taking number b of even rounds and number gridDim.x - 1 - b of odd ones: causal work tiles
+  // shrink along the numbering, and the snake evens out what each CTA gets (round-robin gave CTA 0
+  // the longest tile of every round). Every role walks the same sequence, so the rings' stages and
+  // phases carry over from one work tile to the next and the producer loads the next one's Q and K
+  // during this one. (Each role computes the walk after its setmaxnreg: values live across it
+  // spilled.)
   auto for_each_tile = [&](auto&& role) {
     const int nx = p.num_q_tiles * p.num_seqs * p.num_kv_heads;
     const int total = nx * p.num_splits;
