@@ -72,8 +72,8 @@ inline constexpr int kPrefillPersistent = INT_MAX;
 /// kPrefillMinPairGroup). Measured [H200, same binary and call,
 /// bench/results/2026-12-04-h200-epilogue.txt] against all: causal d128 1k +8%, 2k +4%, 4k +2%,
 /// d256 4k +2%, ViT s1025 +4-6%, elsewhere within 1%; without the floor (one to three pairs
-/// per group at 16k) d128 16k -2% and d256 16k -10%, and a group of 8 at d128 1k -12%: few
-/// pairs at once is slower even where their K/V fits.
+/// per group at 16k) d128 16k -2% and d256 16k -10%, and a group of 8 at d128 1k -12%: the
+/// static snake balances a group of few rounds of work tiles badly (docs/kernel_notes.md).
 inline constexpr const char* kPairGroupEnvVar = "PAGEDATTN_CUDA_PREFILL_PAIR_GROUP";
 /// The share of the L2 the auto pair group's K/V may take.
 inline constexpr double kPrefillL2Share = 0.5;
