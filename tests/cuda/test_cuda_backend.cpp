@@ -12,6 +12,7 @@
 #include <random>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "backend_ops/cases.h"
 #include "backend_ops/harness.h"
@@ -20,6 +21,7 @@
 #include "cuda/backend/plan.h"
 #include "cuda/backend/q_map.h"
 #include "cuda/decode/launch.h"
+#include "cuda/prefill/walk.h"
 #include "pagedattn/accuracy.h"
 #include "pagedattn/error.h"
 #include "pagedattn/kv_cache.h"
@@ -244,6 +246,46 @@ TEST(CudaBackendHost, PrefillSwitchesFromTheEnvironment) {
       unsetenv(v.name);
     }
   }
+}
+
+TEST(CudaBackendHost, PrefillWalkVisitsEveryWorkTileOnceGroupByGroup) {
+  for (int pairs : {1, 5, 8, 37}) {
+    for (int q_tiles : {1, 3, 32}) {
+      for (int group : {0, 1, 3, 8, 36, 37, 1000}) {
+        const int size = group > 0 && group < pairs ? group : pairs;
+        std::vector<int> seen(size_t(pairs) * size_t(q_tiles), 0);
+        int prev_pair0 = -1, prev_rank = -1;
+        for (int x = 0; x < pairs * q_tiles; ++x) {
+          const cuda::prefill::WalkIndex at = cuda::prefill::walk_index(x, pairs, group, q_tiles);
+          ASSERT_GE(at.pair, 0);
+          ASSERT_LT(at.pair, pairs);
+          ASSERT_GE(at.tile_rank, 0);
+          ASSERT_LT(at.tile_rank, q_tiles);
+          ++seen[size_t(at.pair) * size_t(q_tiles) + size_t(at.tile_rank)];
+          // Groups in order of their first pair; within one, the q tile ranks never go back.
+          const int pair0 = at.pair / size * size;
+          ASSERT_GE(pair0, prev_pair0) << x;
+          if (pair0 == prev_pair0) {
+            ASSERT_GE(at.tile_rank, prev_rank) << x;
+          }
+          prev_pair0 = pair0;
+          prev_rank = at.tile_rank;
+        }
+        for (size_t i = 0; i < seen.size(); ++i) {
+          ASSERT_EQ(seen[i], 1) << "pairs " << pairs << " q tiles " << q_tiles << " group " << group
+                                << " work tile " << i;
+        }
+      }
+    }
+  }
+  // One group is the order before groups: the q tile rank slowest, the pair fastest.
+  EXPECT_EQ(cuda::prefill::walk_index(13, 5, 0, 4).tile_rank, 2);
+  EXPECT_EQ(cuda::prefill::walk_index(13, 5, 0, 4).pair, 3);
+  // Groups of 2 over 5 pairs and 4 q tiles: pairs {0, 1} (x 0-7), {2, 3} (8-15), {4} (16-19).
+  EXPECT_EQ(cuda::prefill::walk_index(9, 5, 2, 4).pair, 3);
+  EXPECT_EQ(cuda::prefill::walk_index(9, 5, 2, 4).tile_rank, 0);
+  EXPECT_EQ(cuda::prefill::walk_index(18, 5, 2, 4).pair, 4);
+  EXPECT_EQ(cuda::prefill::walk_index(18, 5, 2, 4).tile_rank, 2);
 }
 
 // ---- GPU: every kernel against the reference -----------------------------------------------

@@ -41,6 +41,7 @@
 #include "cuda/decode/kernel.cuh"
 #include "cuda/prefill/config.h"
 #include "cuda/prefill/launch.h"
+#include "cuda/prefill/walk.h"
 
 namespace pagedattn::cuda::prefill {
 
@@ -199,16 +200,10 @@ struct KvRows {
 // the request's query.
 __device__ __forceinline__ bool prefill_work(const DecodeParams& p, int block_m, int split_align,
                                              int x, int split, decode::Work& w) {
-  // x -> group of pairs (slowest), q tile rank, pair within the group (fastest); the last
-  // group may be smaller.
-  const int pairs = p.num_seqs * p.num_kv_heads;
-  const int group_pairs = p.pair_group > 0 ? min(p.pair_group, pairs) : pairs;
-  const int group = x / (group_pairs * p.num_q_tiles);
-  const int pair0 = group * group_pairs, size = min(group_pairs, pairs - pair0);
-  const int in = x - pair0 * p.num_q_tiles;
-  const int tile_rank = in / size, pair = pair0 + in - tile_rank * size;
-  w.r = pair / p.num_kv_heads;
-  w.kv_head = pair - w.r * p.num_kv_heads;
+  const WalkIndex at = walk_index(x, p.num_seqs * p.num_kv_heads, p.pair_group, p.num_q_tiles);
+  const int tile_rank = at.tile_rank;
+  w.r = at.pair / p.num_kv_heads;
+  w.kv_head = at.pair - w.r * p.num_kv_heads;
   w.q_begin = p.query_start_loc[w.r];
   w.q_len = p.query_start_loc[w.r + 1] - w.q_begin;
   w.kv_len = p.kv_direct ? w.q_len : p.seq_lens[w.r];
