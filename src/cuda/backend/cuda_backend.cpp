@@ -13,6 +13,8 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <string_view>
+#include <utility>
 
 #include "cuda/amax/launch.h"
 #include "cuda/backend/impl.h"
@@ -32,6 +34,29 @@ namespace pagedattn::cuda {
 
 using detail::cat;
 using detail::require;
+
+namespace {
+
+// An environment variable holding a count >= 1 or one of `words` (each standing for a value);
+// `unset` when it is unset or empty.
+int count_env(const char* name, std::initializer_list<std::pair<std::string_view, int>> words,
+              int unset) {
+  const char* s = std::getenv(name);
+  if (s == nullptr || *s == '\0') return unset;
+  const std::string v(s);
+  std::string allowed;
+  for (const auto& [word, value] : words) {
+    if (v == word) return value;
+    allowed += (allowed.empty() ? "" : ", ") + std::string(word);
+  }
+  char* end = nullptr;
+  const long n = std::strtol(s, &end, 10);
+  require(end && *end == '\0' && n >= 1 && n <= INT_MAX, name, " ('", v, "') must be ", allowed,
+          " or an integer >= 1");
+  return int(n);
+}
+
+}  // namespace
 
 BackendOptions backend_options_from_env() {
   BackendOptions o;
@@ -83,30 +108,11 @@ BackendOptions backend_options_from_env() {
             "') must be cp.async or tma");
     o.prefill_tma = v == "tma";
   }
-  if (const char* s = std::getenv(kPingpongEnvVar); s && *s) {
-    const std::string v(s);
-    char* end = nullptr;
-    const long n = std::strtol(s, &end, 10);
-    require(v == "off" || (end && *end == '\0' && n >= 1 && n <= INT_MAX), kPingpongEnvVar, " ('",
-            v, "') must be off or an integer >= 1");
-    o.pingpong_min_tiles = v == "off" ? INT_MAX : int(n);
-  }
-  if (const char* s = std::getenv(kPersistentEnvVar); s && *s) {
-    const std::string v(s);
-    char* end = nullptr;
-    const long n = std::strtol(s, &end, 10);
-    require(v == "on" || v == "off" || (end && *end == '\0' && n >= 1 && n <= INT_MAX),
-            kPersistentEnvVar, " ('", v, "') must be on, off or an integer >= 1");
-    o.prefill_persistent = v == "on" ? INT_MAX : v == "off" ? 0 : int(n);
-  }
-  if (const char* s = std::getenv(kPairGroupEnvVar); s && *s) {
-    const std::string v(s);
-    char* end = nullptr;
-    const long n = std::strtol(s, &end, 10);
-    require(v == "auto" || v == "all" || (end && *end == '\0' && n >= 1 && n <= INT_MAX),
-            kPairGroupEnvVar, " ('", v, "') must be auto, all or an integer >= 1");
-    o.prefill_pair_group = v == "auto" ? 0 : v == "all" ? INT_MAX : int(n);
-  }
+  o.pingpong_min_tiles = count_env(kPingpongEnvVar, {{"off", INT_MAX}}, o.pingpong_min_tiles);
+  o.prefill_persistent =
+      count_env(kPersistentEnvVar, {{"on", INT_MAX}, {"off", 0}}, o.prefill_persistent);
+  o.prefill_pair_group =
+      count_env(kPairGroupEnvVar, {{"auto", 0}, {"all", INT_MAX}}, o.prefill_pair_group);
   if (const char* s = std::getenv(kFp8MathEnvVar); s && *s) {
     const std::string v(s);
     require(v == "on" || v == "off", kFp8MathEnvVar, " ('", v, "') must be on or off");
