@@ -205,7 +205,8 @@ TEST(CudaBackendHost, PrefillSwitchesFromTheEnvironment) {
   };
   Var vars[] = {{cuda::kPersistentEnvVar, "", false},
                 {cuda::kPingpongEnvVar, "", false},
-                {cuda::kPairGroupEnvVar, "", false}};
+                {cuda::kPairGroupEnvVar, "", false},
+                {cuda::kPrefillWalkEnvVar, "", false}};
   for (Var& v : vars) {
     if (const char* s = std::getenv(v.name)) v.saved = s, v.had = true;
     unsetenv(v.name);
@@ -239,6 +240,14 @@ TEST(CudaBackendHost, PrefillSwitchesFromTheEnvironment) {
     setenv(cuda::kPairGroupEnvVar, bad, 1);
     EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, cuda::kPairGroupEnvVar);
   }
+  unsetenv(cuda::kPairGroupEnvVar);
+  EXPECT_TRUE(cuda::backend_options_from_env().prefill_dynamic);
+  setenv(cuda::kPrefillWalkEnvVar, "static", 1);
+  EXPECT_FALSE(cuda::backend_options_from_env().prefill_dynamic);
+  setenv(cuda::kPrefillWalkEnvVar, "dynamic", 1);
+  EXPECT_TRUE(cuda::backend_options_from_env().prefill_dynamic);
+  setenv(cuda::kPrefillWalkEnvVar, "snake", 1);
+  EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, cuda::kPrefillWalkEnvVar);
   for (const Var& v : vars) {
     if (v.had) {
       setenv(v.name, v.saved.c_str(), 1);
@@ -286,6 +295,68 @@ TEST(CudaBackendHost, PrefillWalkVisitsEveryWorkTileOnceGroupByGroup) {
   EXPECT_EQ(cuda::prefill::walk_index(9, 5, 2, 4).tile_rank, 0);
   EXPECT_EQ(cuda::prefill::walk_index(18, 5, 2, 4).pair, 4);
   EXPECT_EQ(cuda::prefill::walk_index(18, 5, 2, 4).tile_rank, 2);
+}
+
+// The dynamic walk (draw_tile): CTAs drawing from one counter in random interleavings take every
+// work tile with rows exactly once, none without, each in order of the numbering, and the counter
+// is 0 again after the launch's last draw (so that the next launch, or graph replay, starts
+// over).
+TEST(CudaBackendHost, DynamicWalkTakesEveryWorkTileOnceAndResetsTheCounter) {
+  std::mt19937 rng(11);
+  for (int total : {2, 3, 7, 64, 1000}) {
+    for (int ctas : {1, 2, 5, 132}) {
+      if (ctas >= total) continue;  // the kernel walks dynamically only with fewer CTAs
+      for (int trial = 0; trial < 3; ++trial) {
+        const size_t n = static_cast<size_t>(total), m = static_cast<size_t>(ctas);
+        std::vector<char> rows(n);
+        for (char& r : rows) r = char(rng() % 4 != 0);
+        int counter = 0, resets = 0;
+        std::vector<int> first(m), last(m, -1), seen(n, 0);
+        std::vector<char> done(m, 0);
+        for (int b = 0; b < ctas; ++b) first[size_t(b)] = b;
+        int live = ctas;
+        while (live > 0) {
+          const int b = int(rng() % unsigned(ctas));
+          if (done[size_t(b)]) continue;
+          int t;  // as the kernel walks: numbers without rows dropped, the next drawn
+          do {
+            t = cuda::prefill::draw_tile(
+                first[size_t(b)], ctas, total, [&] { return counter++; },
+                [&] {
+                  counter = 0;
+                  ++resets;
+                });
+          } while (t >= 0 && !rows[size_t(t)]);
+          if (t < 0) {
+            done[size_t(b)] = 1;
+            --live;
+            continue;
+          }
+          ASSERT_LT(t, total);
+          ASSERT_GT(t, last[size_t(b)]) << "a CTA's work tiles follow the numbering";
+          last[size_t(b)] = t;
+          ++seen[size_t(t)];
+        }
+        for (int x = 0; x < total; ++x) {
+          ASSERT_EQ(seen[size_t(x)], rows[size_t(x)] ? 1 : 0)
+              << "total " << total << " ctas " << ctas << " work tile " << x;
+        }
+        EXPECT_EQ(counter, 0) << "total " << total << " ctas " << ctas;
+        EXPECT_EQ(resets, 1) << "total " << total << " ctas " << ctas;
+      }
+    }
+  }
+}
+
+TEST(CudaBackendHost, DynamicWalkOnlyWhereMostWorkTilesHaveRows) {
+  // Four prompts of 4000 tokens, GQA 32/8: 125 q tiles each, every one with rows.
+  EXPECT_TRUE(cuda::prefill::dynamic_walk_pays(16000, 4, 4, 128, 125));
+  // One 4096-token prompt beside 100 decode requests: a grid of 128 q tiles x 101 requests per
+  // KV head, of which at most 233 have rows.
+  EXPECT_FALSE(cuda::prefill::dynamic_walk_pays(4196, 101, 4, 128, 128));
+  // Lengths 3000 / 512 / 700 / 1500: 183 of 376 at most, just under half.
+  EXPECT_FALSE(cuda::prefill::dynamic_walk_pays(5712, 4, 4, 128, 94));
+  EXPECT_TRUE(cuda::prefill::dynamic_walk_pays(5712 + 400, 4, 4, 128, 94));
 }
 
 // ---- GPU: every kernel against the reference -----------------------------------------------
@@ -781,6 +852,64 @@ TEST(CudaGraph, ReplayWithNewMetadataInTheSameBuffersMatchesAFreshLaunch) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+// The Hopper prefill's dynamic walk across graph replays: each launch must leave the layer's
+// counter at 0 for the next (a replay finding it where the last launch left it would take no
+// work tile past the CTAs' first ones and leave the rest of the rows unwritten). The output is
+// poisoned before every replay; as many CTAs as are resident, and two (each walking ~750 work
+// tiles, some of them empty: three of the four requests are shorter than the longest).
+TEST(CudaGraph, PrefillReplaysTakeEveryWorkTile) {
+  REQUIRE_GPU();
+  std::mt19937 rng(5);
+  DeviceStep s;
+  s.config = gqa_config();
+  s.num_blocks = 512;
+  const AttentionConfig& c = s.config;
+  KVCache host = KVCache::allocate(c, s.num_blocks);
+  s.host_cache = random_host(host.storage().view().shape_vector(), c.cache_dtype(), rng);
+  s.cache = Tensor::copy_of(s.host_cache.view(), Device::cuda(0));
+  s.step = make_step({0, 500, 300, 200}, {1500, 1200, 1400, 800}, c.block_size, s.num_blocks, rng);
+  s.md = s.step.to_device(Device::cuda(0));
+  s.query = Tensor::copy_of(
+      random_host({s.md.num_actual_tokens, c.num_heads, c.head_size}, c.dtype, rng).view(),
+      Device::cuda(0));
+  // 47 q tiles of 128 packed rows per request (1500 x 4 / 128), most of them with rows.
+  ASSERT_TRUE(cuda::prefill::dynamic_walk_pays(s.md.num_actual_tokens, 4, 4, 128, 47));
+  const Tensor want = reference_output(s, *ref::make_backend());
+  for (int persistent : {std::numeric_limits<int>::max(), 2}) {
+    cuda::BackendOptions o;
+    o.prefill_persistent = persistent;
+    ASSERT_TRUE(o.prefill_dynamic);
+    auto impl = cuda::make_backend(o)->make_impl(c, Device::cuda(0));
+    Tensor out = Tensor::empty(s.query.view().shape_vector(), c.dtype, Device::cuda(0));
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    ForwardArgs f;
+    f.query = s.query.view();
+    f.kv_cache = s.cache_view();
+    f.metadata = &s.md;
+    f.output = out.view();
+    f.stream = {stream};
+    cudaGraph_t graph;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    impl->forward(f);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int replay = 0; replay < 3; ++replay) {
+      ASSERT_EQ(cudaMemsetAsync(out.data(), 0xff, out.view().nbytes(), stream), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const ErrorStats e = compare(Tensor::copy_of(out.view(), Device::cpu()).view(), want.view());
+      EXPECT_EQ(e.mismatched_nonfinite, 0) << "persistent " << persistent << " replay " << replay;
+      EXPECT_LT(e.max_abs, 2e-2) << "persistent " << persistent << " replay " << replay << ": "
+                                 << e.to_string();
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  }
 }
 
 TEST(CudaChecked, CatchesABlockPastTheCache) {

@@ -113,6 +113,12 @@ BackendOptions backend_options_from_env() {
       count_env(kPersistentEnvVar, {{"on", INT_MAX}, {"off", 0}}, o.prefill_persistent);
   o.prefill_pair_group =
       count_env(kPairGroupEnvVar, {{"auto", 0}, {"all", INT_MAX}}, o.prefill_pair_group);
+  if (const char* s = std::getenv(kPrefillWalkEnvVar); s && *s) {
+    const std::string v(s);
+    require(v == "dynamic" || v == "static", kPrefillWalkEnvVar, " ('", v,
+            "') must be dynamic or static");
+    o.prefill_dynamic = v == "dynamic";
+  }
   if (const char* s = std::getenv(kFp8MathEnvVar); s && *s) {
     const std::string v(s);
     require(v == "on" || v == "off", kFp8MathEnvVar, " ('", v, "') must be on or off");

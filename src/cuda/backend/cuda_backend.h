@@ -75,10 +75,23 @@ inline constexpr int kPrefillPersistent = INT_MAX;
 /// per group at 16k) d128 16k -2% and d256 16k -10%, and a group of 8 at d128 1k -12%: the
 /// static snake balances a group of few rounds of work tiles badly (docs/kernel_notes.md).
 inline constexpr const char* kPairGroupEnvVar = "PAGEDATTN_CUDA_PREFILL_PAIR_GROUP";
-/// The share of the L2 the auto pair group's K/V may take.
+/// Environment variable for how a persistent Hopper prefill grid hands out its work tiles:
+/// dynamic (the default: each CTA takes the next one by an atomic counter the layer owns, as soon
+/// as its producer is free, in launches whose K/V tiles come by TMA and whose work tiles mostly
+/// have rows; the others keep the snake) or static (the snake: CTA b takes number b of even
+/// rounds of gridDim.x and number gridDim.x - 1 - b of odd ones, fixed before the launch).
+/// Measured [H200, same binary and call, bench/results/2026-12-04-h200-dynamic-*.txt] against
+/// the snake: causal d128 1k +6%, 4k +3%, 16k +1%; d64 1k +6%; d256 4k +5%, 16k +2%; ViT d64
+/// +4-7%; with the smaller auto groups it allows, d128 1k +8%.
+inline constexpr const char* kPrefillWalkEnvVar = "PAGEDATTN_CUDA_PREFILL_WALK";
+/// The share of the L2 the auto pair group's K/V may take (static walk).
 inline constexpr double kPrefillL2Share = 0.5;
-/// The fewest pairs per auto group.
+/// The fewest pairs per auto group (static walk).
 inline constexpr int kPrefillMinPairGroup = 8;
+/// The same under the dynamic walk, which balances small groups: groups of 4 against auto's
+/// (0.5, 8) gained 1-3% at d128 1k-16k and d256 4k-16k [H200, call 2].
+inline constexpr double kPrefillL2ShareDynamic = 1.0 / 16.0;
+inline constexpr int kPrefillMinPairGroupDynamic = 4;
 
 /// How the MLA kernel copies full tiles (kMlaCopyEnvVar).
 enum class MlaCopy : uint8_t { kAuto, kTma, kCpAsync };
@@ -121,11 +134,14 @@ struct BackendOptions {
   /// Prefill kernels: (request, KV head) pairs per group of the work-tile walk
   /// (kPairGroupEnvVar; 0: auto, INT_MAX: all in one group).
   int prefill_pair_group = 0;
+  /// Hopper prefill, persistent grid: work tiles taken by an atomic counter (kPrefillWalkEnvVar;
+  /// false: the static snake).
+  bool prefill_dynamic = true;
 };
 
 /// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS, PAGEDATTN_CUDA_PREFILL,
 /// PAGEDATTN_CUDA_PREFILL_KERNEL, PAGEDATTN_CUDA_DECODE_COPY, PAGEDATTN_CUDA_MLA, the MLA copy,
-/// fp8-math, prefill-copy, pingpong, persistent and pair-group variables above.
+/// fp8-math, prefill-copy, pingpong, persistent, pair-group and walk variables above.
 BackendOptions backend_options_from_env();
 
 std::unique_ptr<Backend> make_backend(const BackendOptions& options = backend_options_from_env());

@@ -12,6 +12,7 @@
 #include "cuda/common/device_props.h"
 #include "cuda/common/tensor_map.h"
 #include "cuda/decode/config.h"
+#include "cuda/prefill/walk.h"
 #include "cuda/quant/launch.h"
 #include "pagedattn/error.h"
 
@@ -136,6 +137,9 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
         TensorView::contiguous(const_cast<float*>(v.data()), DType::kF32, {int64_t(v.size())});
     return Tensor::copy_of(host, device);
   };
+  if (prefill_ != nullptr && options.prefill_dynamic) {
+    tile_counter_ = Tensor::zeros({1}, DType::kI32, device);
+  }
   alibi_slopes_ = upload(config.alibi_slopes);
   sinks_ = upload(config.sinks);
 }
@@ -348,7 +352,15 @@ void CudaImpl::forward(const ForwardArgs& a) {
     set_prefill_q_tma(pp, a.query);
     pp.pingpong_min_tiles = pingpong_min_tiles_;
     pp.persistent = std::min(prefill_persistent_, prefill_resident_);
-    pp.pair_group = prefill_pair_group(md);
+    // The dynamic walk where most work tiles have rows and K/V come by TMA: where the producer
+    // copies them by cp.async it is the busiest role, and the draw on its path cost ViT d80 3%
+    // against the static snake (the fp8 caches within 1% either way) [H200, calls 1-2 of
+    // bench/results/2026-12-04-h200-dynamic-*.txt].
+    const bool dynamic = tile_counter_.defined() && pp.kv_tma != 0 &&
+                         prefill::dynamic_walk_pays(md.num_actual_tokens, md.num_seqs, p.group,
+                                                    prefill_->block_m, pp.num_q_tiles);
+    pp.tile_counter = dynamic ? tile_counter_.data_as<int32_t>() : nullptr;
+    pp.pair_group = prefill_pair_group(md, dynamic);
     prefill_->launch(pp, stream);
     if (!all) {
       p.num_q_tiles = prefill::kDecodeMaxRows / decode::kRows;
@@ -360,13 +372,15 @@ void CudaImpl::forward(const ForwardArgs& a) {
   if (p.num_splits > 1) combine_->launch(p, stream);
 }
 
-int CudaImpl::prefill_pair_group(const AttentionMetadata& md) const {
+int CudaImpl::prefill_pair_group(const AttentionMetadata& md, bool dynamic) const {
   if (prefill_pair_group_ != 0) return prefill_pair_group_;
   // A pair's K and V at the longest sequence's keys, as the kernel reads them.
   const int64_t keys = std::max({md.max_seq_len, md.max_query_len, 1});
   const int64_t pair_bytes = keys * config_.head_size * 2 * int64_t(dtype_size(cache_dtype_));
-  const int64_t budget = int64_t(double(l2_bytes_) * kPrefillL2Share);
-  return int(std::clamp<int64_t>(budget / pair_bytes, kPrefillMinPairGroup, INT_MAX));
+  const double share = dynamic ? kPrefillL2ShareDynamic : kPrefillL2Share;
+  const int floor = dynamic ? kPrefillMinPairGroupDynamic : kPrefillMinPairGroup;
+  const int64_t budget = int64_t(double(l2_bytes_) * share);
+  return int(std::clamp<int64_t>(budget / pair_bytes, floor, INT_MAX));
 }
 
 void CudaImpl::set_prefill_tma(decode::DecodeParams& p, const TensorView& k, const TensorView& v,

@@ -38,8 +38,9 @@ class CudaImpl final : public AttentionImpl {
   void set_prefill_q_tma(decode::DecodeParams& p, const TensorView& query) const;
   // The prefill kernels' pairs per group of their work-tile walk (decode::DecodeParams::
   // pair_group): the option's, or as many (request, KV head) pairs as fit kPrefillL2Share of
-  // the L2 at md.max_seq_len keys, at least kPrefillMinPairGroup.
-  int prefill_pair_group(const AttentionMetadata& md) const;
+  // the L2 at md.max_seq_len keys, at least kPrefillMinPairGroup (under the dynamic walk,
+  // kPrefillL2ShareDynamic and kPrefillMinPairGroupDynamic).
+  int prefill_pair_group(const AttentionMetadata& md, bool dynamic) const;
 
   AttentionConfig config_;
   Device device_;
@@ -62,6 +63,10 @@ class CudaImpl final : public AttentionImpl {
   const mla::MlaCombineKernel* mla_combine_ = nullptr;
   Tensor alibi_slopes_;  // float32 [num_heads] on the device, or undefined
   Tensor sinks_;         // float32 [num_heads] on the device, or undefined
+  // int32 [1] on the device: the Hopper prefill's dynamic walk counter (DecodeParams::
+  // tile_counter; every launch leaves it 0), or undefined (BackendOptions::prefill_dynamic off).
+  // The layer's forwards must run in stream order, as they do in an engine's step.
+  Tensor tile_counter_;
 };
 
 }  // namespace pagedattn::cuda

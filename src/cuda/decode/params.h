@@ -88,6 +88,11 @@ struct DecodeParams {
   /// (0: all in one group), the q tiles longest first within a group, so that the CTAs running
   /// at once share the group's K/V in L2 (prefill_work).
   int pair_group;
+  /// Hopper prefill with a persistent grid of fewer CTAs than work tiles: the dynamic walk's
+  /// counter (one int, 0 at launch; the launch's last draw stores 0 again: prefill::draw_tile),
+  /// so that each CTA takes the next work tile as soon as it is free. A layer's launches share
+  /// it and must run in stream order. nullptr: the static snake.
+  int* tile_counter;
   CUtensorMap k_map, v_map, q_map;  // 64-byte aligned by their type
 };
 

@@ -91,6 +91,9 @@ struct Traits {
 
 namespace pagedattn::cuda::prefill {
 
+/// Bytes of Sm90Layout::tile_offset's hand-over area.
+inline constexpr int kTileSlotBytes = 16 + 2 * 48;
+
 /// Shared memory of the Hopper kernel: every operand tile in 128-byte-swizzled panels of 64
 /// columns (the wgmma canonical layout), each panel base 1024-byte aligned.
 struct Sm90Layout {
@@ -107,7 +110,11 @@ struct Sm90Layout {
   int table_offset = 0;  ///< [kStages + 1][kBlockN] {K, V} int64 row byte offsets (producer)
   int bar_offset = 0;    ///< mbarriers: q_full [2], K full / V full / K empty / V empty
                          ///< [kStages], q_empty [2]
-  int total = 0;         ///< including 1024 bytes to align the dynamic base
+  /// The dynamic walk's hand-over: int [4], the work-tile numbers per Q buffer (for the
+  /// consumers) and two for the producer's own broadcast; then decode::Work [2] (48 bytes
+  /// each), the work tile of each Q buffer as the producer computed it
+  int tile_offset = 0;
+  int total = 0;  ///< including 1024 bytes to align the dynamic base
 };
 
 constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int stages,
@@ -125,7 +132,8 @@ constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int st
     s.raw_offset = s.stage_offset + stages * s.stage_bytes;
     s.table_offset = s.raw_offset + (kv_elem_bytes == 1 ? 2 * block_n * head_size : 0);
     s.bar_offset = s.table_offset + (stages + 1) * block_n * 16;  // kTableSlots
-    s.total = s.bar_offset + (4 + 4 * stages) * 8 + 1024;
+    s.tile_offset = s.bar_offset + (4 + 4 * stages) * 8;
+    s.total = s.tile_offset + kTileSlotBytes + 1024;
     if (s.total <= decode::kMaxSmemPerCta || q_stages == 1) return s;
   }
 }
@@ -144,7 +152,8 @@ constexpr Sm90Layout sm90_fp8_layout(int block_m, int block_n, int stages) {
   s.raw_offset = s.stage_offset + stages * s.stage_bytes;  // [2][kBlockN][128] raw V rows
   s.table_offset = s.raw_offset + 2 * block_n * 128;
   s.bar_offset = s.table_offset + (stages + 1) * block_n * 16;
-  s.total = s.bar_offset + (4 + 4 * stages) * 8 + 1024;
+  s.tile_offset = s.bar_offset + (4 + 4 * stages) * 8;
+  s.total = s.tile_offset + kTileSlotBytes + 1024;
   return s;
 }
 

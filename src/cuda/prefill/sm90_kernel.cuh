@@ -8,8 +8,10 @@
 //             producer) at head sizes 64 to 256 (multiples of 16; fp8 to 192).
 //   grid      1-D over the portable kernel's work tiles (groups of (request, KV head) pairs x
 //             q tiles, reversed x pairs of the group, then splits): one CTA per work tile, or a
-//             persistent grid (DecodeParams::persistent) whose CTAs walk several; kBlockM = 128
-//             packed rows per work tile, 384 threads.
+//             persistent grid (DecodeParams::persistent) whose CTAs walk several, each taking
+//             the next number from an atomic counter as soon as it is free (tile_counter;
+//             draw_tile in walk.h) or by a static snake; kBlockM = 128 packed rows per work
+//             tile, 384 threads.
 //   warps     warpgroup 0 (producer, 40 or 56 registers): Q per work tile (two buffers where
 //             they fit, so the next one's Q loads during this one's tiles; over a 16-bit cache
 //             by TMA from one thread where DecodeParams::q_tma allows), then the K and the V
@@ -101,10 +103,35 @@ __device__ __forceinline__ uint32_t q_parity(int k) {
 // the rings (their stage and phase follow on), it is work tile number `k` (Q's phase);
 // `pingpong` says its consumers take turns, and `turns_open` that an earlier work tile of the
 // CTA took them (so warpgroup 0's turn is already open: the last hand-over of that tile).
+// `tile`: under the dynamic walk the work tile's number, which the producer publishes beside
+// its Q buffer for the consumers (publish_tile); -1 under the static one.
 struct TileSeq {
   int it = 0, k = 0;
   bool pingpong = false, turns_open = false;
+  int tile = -1;
 };
+
+// The dynamic walk's hand-over (Sm90Layout::tile_offset): thread 0 of the producer writes work
+// tile k's number (-1: the CTA's walk is over) and its Work into Q buffer k's slots once the
+// consumers have released the buffer's last use, and arrives on the buffer's `full` barrier,
+// whose release orders the writes before the consumers' wait returns: the consumers read the
+// Work from shared memory instead of computing it from global memory after that wait.
+// `count` arrivals: one beside Q's own (q_full_arrivals), or all of them for the end, which
+// loads no Q.
+static_assert(sizeof(decode::Work) <= 48, "Sm90Layout's Work slots");
+template <class T>
+__device__ __forceinline__ decode::Work* work_slot(unsigned char* smem, int qb) {
+  return reinterpret_cast<decode::Work*>(smem + T::layout().tile_offset + 16 + 48 * qb);
+}
+template <class T>
+__device__ __forceinline__ void publish_tile(unsigned char* smem, Barriers<T::kStages> bars, int k,
+                                             int tile, const decode::Work* w, uint32_t count) {
+  const int qb = q_buffer<T>(k);
+  mbar_wait(bars.q_empty(qb), q_parity<T>(k) ^ 1);
+  reinterpret_cast<volatile int*>(smem + T::layout().tile_offset)[qb] = tile;
+  if (w != nullptr) *work_slot<T>(smem, qb) = *w;
+  ptx::mbarrier_arrive(bars.q_full(qb), count);
+}
 
 // fp8 products: the producer's loop. K rows land raw (e4m3) in the K panel by cp.async, as the
 // 16-bit kernel copies them. fp8 wgmma reads B only K-major, so V [keys][head dims] is staged
@@ -285,6 +312,19 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
                                         unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
                                         const TileSeq& seq);
 
+// Whether the CTAs take their work tiles by the counter (draw_tile): a persistent grid
+// with fewer CTAs than work tiles (with as many, each takes its own).
+__device__ __forceinline__ bool dynamic_walk(const DecodeParams& p, int total) {
+  return p.tile_counter != nullptr && int(gridDim.x) < total;
+}
+
+// Arrivals that complete a Q buffer's `full` phase: TMA's one (with the box bytes) or one per
+// producer thread, and under the dynamic walk thread 0's publish_tile.
+template <class T>
+__device__ __forceinline__ uint32_t q_full_arrivals(const DecodeParams& p, bool dynamic) {
+  return (kQTma<T> && p.q_tma ? 1u : 128u) + (dynamic ? 1u : 0u);
+}
+
 // kFeatures: soft cap and ALiBi compiled in (a second instance; see softmax_scores).
 template <class T, bool kFeatures>
 __global__ void __launch_bounds__(T::kThreads, 1)
@@ -310,9 +350,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
   const Barriers<T::kStages> bars{reinterpret_cast<uint64_t*>(smem + lay.bar_offset)};
   if (threadIdx.x == 0) {
+    const int total = p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits;
     for (int b = 0; b < lay.q_stages; ++b) {
-      // TMA: one arrival with the box bytes; cp.async: one per producer thread.
-      ptx::mbarrier_init(bars.q_full(b), kQTma<T> && p.q_tma ? 1 : 128);
+      ptx::mbarrier_init(bars.q_full(b), q_full_arrivals<T>(p, dynamic_walk(p, total)));
       ptx::mbarrier_init(bars.q_empty(b), 128 * T::kConsumers);
     }
     // One arrival per producer thread that brings the tile: the 16-bit producer splits into a
@@ -329,44 +369,109 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   __syncthreads();
   // Work tiles numbered as the portable kernel's grid runs them (x fastest: within a group of
   // pairs the q tile slowest and reversed, so the longest causal rows come first; the split
-  // slowest). A grid of one CTA per work tile takes one each; a persistent grid
-  // (DecodeParams::persistent, the backend's default) walks them in rounds of gridDim.x, CTA b
-  // taking number b of even rounds and number gridDim.x - 1 - b of odd ones: causal work tiles
-  // shrink along the numbering, and the snake evens out what each CTA gets (round-robin gave CTA 0
-  // the longest tile of every round). Every role walks the same sequence, so the rings' stages and
-  // phases carry over from one work tile to the next and the producer loads the next one's Q and K
-  // during this one. (Each role computes the walk after its setmaxnreg: values live across it
-  // spilled.)
-  auto for_each_tile = [&](auto&& role) {
-    const int nx = p.num_q_tiles * p.num_seqs * p.num_kv_heads;
-    const int total = nx * p.num_splits;
-    const int g = int(gridDim.x), b = int(blockIdx.x);
+  // slowest). A grid of one CTA per work tile takes one each. A persistent grid
+  // (DecodeParams::persistent, the backend's default) walks several per CTA: with a counter
+  // (DecodeParams::tile_counter) each CTA takes the next number as soon as its producer is
+  // free (draw_tile), and the producer hands each number to the consumers beside that work
+  // tile's Q (publish_tile); without one, in rounds of gridDim.x, CTA b taking number b of even
+  // rounds and number gridDim.x - 1 - b of odd ones (causal work tiles shrink along the
+  // numbering, and the snake evens out what each CTA gets). Every role walks the same
+  // sequence, so the rings' stages and phases carry over from one work tile to the next and the
+  // producer loads the next one's Q and K during this one. Each role computes the walk after
+  // its setmaxnreg (values live across it spilled), and inlines its role once, behind one
+  // `next` for both walks (two loops doubled the kernel's code). next(seq, w): the next work
+  // tile's number with its Work in w, or -1.
+  auto walk = [&](bool dynamic, auto&& next, auto&& role) {
     decode::Work w;
     TileSeq seq;
-    for (int round = 0; round * g < total; ++round) {
-      const int t = round * g + (round & 1 ? g - 1 - b : b);
-      if (t >= total) continue;
-      const int split = t / nx;
-      if (!prefill_work(p, T::kBlockM, T::kSplitAlign, t - split * nx, split, w)) continue;
+    for (int t; (t = next(seq, w)) >= 0;) {
       const int n_tiles = ceil_div(w.kv_end - w.kv_begin, T::kBlockN);
       seq.pingpong = n_tiles >= p.pingpong_min_tiles;
+      seq.tile = dynamic ? t : -1;
       role(w, n_tiles, seq);
       seq.it += n_tiles;
       ++seq.k;
       seq.turns_open |= seq.pingpong;
     }
   };
+  auto work = [&](int t, decode::Work& w) {
+    const int nx = p.num_q_tiles * p.num_seqs * p.num_kv_heads, split = t / nx;
+    return prefill_work(p, T::kBlockM, T::kSplitAlign, t - split * nx, split, w);
+  };
+  // The static snake's next number (< total), or -1.
+  auto snake = [&](int& round, int total) {
+    const int g = int(gridDim.x), b = int(blockIdx.x);
+    for (; round * g < total; ++round) {
+      const int t = round * g + (round & 1 ? g - 1 - b : b);
+      if (t < total) {
+        ++round;
+        return t;
+      }
+    }
+    return -1;
+  };
+  volatile int* const slots = reinterpret_cast<volatile int*>(smem + lay.tile_offset);
   // One branch per role, as setmaxnreg requires, with the tile loop inside it.
   if (threadIdx.x < 128) {
     sm90::setmaxnreg_dec<T::kProducerRegs>();
-    for_each_tile([&](const decode::Work& w, int n_tiles, const TileSeq& seq) {
-      produce<T>(p, w, smem, bars, n_tiles, seq);
-    });
+    const int total = p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits;
+    const bool dynamic = dynamic_walk(p, total);
+    int first = int(blockIdx.x), round = 0, draws = 0;
+    walk(
+        dynamic,
+        [&](const TileSeq& seq, decode::Work& w) {
+          for (;;) {
+            int t;
+            if (dynamic) {
+              // Thread 0 draws and broadcasts through slot 2 + draws % 2 (written again only
+              // after the next barrier, which every thread reaches after reading it); a number
+              // without rows is dropped by all and the next drawn. (Drawing one ahead, by a
+              // thread of warp 3 while the rest went on, measured no better [H200, call 2 of
+              // bench/results/2026-12-04-h200-dynamic-*.txt].)
+              volatile int* const slot = slots + 2 + (draws++ & 1);
+              if (threadIdx.x == 0) {
+                *slot = draw_tile(
+                    first, int(gridDim.x), total, [&] { return atomicAdd(p.tile_counter, 1); },
+                    [&] { atomicExch(p.tile_counter, 0); });
+              }
+              sm90::named_barrier_sync(1, 128);
+              t = *slot;
+              if (t < 0 && threadIdx.x == 0) {
+                publish_tile<T>(smem, bars, seq.k, -1, nullptr, q_full_arrivals<T>(p, true));
+              }
+            } else {
+              t = snake(round, total);
+            }
+            if (t < 0 || work(t, w)) return t;
+          }
+        },
+        [&](const decode::Work& w, int n_tiles, const TileSeq& seq) {
+          produce<T>(p, w, smem, bars, n_tiles, seq);
+        });
   } else {
     sm90::setmaxnreg_inc<T::kConsumerRegs>();
-    for_each_tile([&](const decode::Work& w, int n_tiles, const TileSeq& seq) {
-      consume<T, kFeatures>(p, w, smem, bars, n_tiles, seq);
-    });
+    const int total = p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits;
+    const bool dynamic = dynamic_walk(p, total);
+    int round = 0;
+    walk(
+        dynamic,
+        [&](const TileSeq& seq, decode::Work& w) {
+          if (dynamic) {
+            // Only numbers with rows are published, each with its Work.
+            const int qb = q_buffer<T>(seq.k);
+            mbar_wait(bars.q_full(qb), q_parity<T>(seq.k));
+            const int t = slots[qb];
+            if (t >= 0) w = *work_slot<T>(smem, qb);
+            return t;
+          }
+          for (;;) {
+            const int t = snake(round, total);
+            if (t < 0 || work(t, w)) return t;
+          }
+        },
+        [&](const decode::Work& w, int n_tiles, const TileSeq& seq) {
+          consume<T, kFeatures>(p, w, smem, bars, n_tiles, seq);
+        });
   }
 }
 
@@ -467,6 +572,7 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   const int it0 = seq.it;
   const int qb = q_buffer<T>(seq.k);
   unsigned char* const q_smem = smem + lay.q_offset + qb * lay.q_bytes;
+  if (seq.tile >= 0 && ct == 0) publish_tile<T>(smem, bars, seq.k, seq.tile, &w, 1);
   // Q: packed row r -> token r / G, head kv_head * G + r % G. The copying threads first wait
   // until the consumers are done reading the Q of the work tile that last used this buffer
   // (the first use passes at once).

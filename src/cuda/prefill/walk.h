@@ -1,7 +1,10 @@
-// The order in which the prefill kernels take their work tiles (DecodeParams::pair_group), as a
-// host / device function: prefill_work runs it on the device, and a host test checks that it
-// visits every (pair, q tile) once, group by group.
+// The order in which the prefill kernels take their work tiles (DecodeParams::pair_group) and
+// how a persistent Hopper grid hands them out (DecodeParams::tile_counter), as host / device
+// functions: the kernels run them on the device, and host tests check that every work tile is
+// taken once (group by group; by any interleaving of the CTAs' draws).
 #pragma once
+
+#include <cstdint>
 
 #if defined(__CUDACC__)
 #define PAGEDATTN_HOST_DEVICE __host__ __device__
@@ -28,6 +31,39 @@ PAGEDATTN_HOST_DEVICE inline WalkIndex walk_index(int x, int pairs, int pair_gro
   const int in = x - pair0 * num_q_tiles;
   const int tile_rank = in / size;
   return WalkIndex{tile_rank, pair0 + in - tile_rank * size};
+}
+
+/// The dynamic walk of a persistent grid of `ctas` < `total` CTAs (DecodeParams::tile_counter),
+/// run by thread 0 of a CTA's producer: the number of the CTA's next work tile, or -1 when none
+/// is left (the CTA then stops drawing). `first` starts as the CTA's index, its first work
+/// tile, taken without a draw (then -1); every later one is ctas + draw(), draw() being the
+/// counter's atomicAdd of 1, so the CTAs take the numbering in order, each as soon as it is
+/// free (longest causal work first, as prefill_work orders it; a number without rows is
+/// dropped and the next drawn). Every number past the first ones is drawn once and each CTA
+/// draws one >= total, so the grid's draws are 0 .. total - 1: the one that draws total - 1,
+/// the launch's last, stores 0 by reset() for the next launch (a graph replay included).
+template <class Draw, class Reset>
+PAGEDATTN_HOST_DEVICE int draw_tile(int& first, int ctas, int total, Draw&& draw, Reset&& reset) {
+  if (first >= 0) {
+    const int t = first;
+    first = -1;
+    return t;
+  }
+  const int v = draw();
+  if (v == total - 1) reset();
+  return ctas + v < total ? ctas + v : -1;
+}
+
+/// Whether the dynamic walk pays for a launch of num_seqs requests' tokens: only where at least
+/// half of the num_q_tiles x num_seqs q tiles of a KV head can have rows (at most
+/// ceil(tokens x group / block_m) + num_seqs do), since each number without rows costs the CTA
+/// that draws it an atomic round trip and a barrier, where the static snake skips it with a few
+/// loads. A mixed step's grid, sized by its longest query, is mostly empty: its decode requests'
+/// rows go to the decode kernel.
+inline bool dynamic_walk_pays(int64_t tokens, int num_seqs, int group, int block_m,
+                              int num_q_tiles) {
+  const int64_t with_rows = (tokens * group + block_m - 1) / block_m + num_seqs;
+  return 2 * with_rows >= int64_t(num_q_tiles) * num_seqs;
 }
 
 }  // namespace pagedattn::cuda::prefill
