@@ -103,32 +103,51 @@ __device__ __forceinline__ uint32_t q_parity(int k) {
 // the rings (their stage and phase follow on), it is work tile number `k` (Q's phase);
 // `pingpong` says its consumers take turns, and `turns_open` that an earlier work tile of the
 // CTA took them (so warpgroup 0's turn is already open: the last hand-over of that tile).
-// `tile`: under the dynamic walk the work tile's number, which the producer publishes beside
-// its Q buffer for the consumers (publish_tile); -1 under the static one.
 struct TileSeq {
   int it = 0, k = 0;
   bool pingpong = false, turns_open = false;
-  int tile = -1;
 };
 
-// The dynamic walk's hand-over (Sm90Layout::tile_offset): thread 0 of the producer writes work
-// tile k's number (-1: the CTA's walk is over) and its Work into Q buffer k's slots once the
+// The dynamic walk's hand-over (Sm90Layout::tile_offset): thread 0 of the producer writes 1 (-1:
+// the CTA's walk is over) and work tile k's Work into Q buffer k's slots once the
 // consumers have released the buffer's last use, and arrives on the buffer's `full` barrier,
 // whose release orders the writes before the consumers' wait returns: the consumers read the
 // Work from shared memory instead of computing it from global memory after that wait.
 // `count` arrivals: one beside Q's own (q_full_arrivals), or all of them for the end, which
 // loads no Q.
 static_assert(sizeof(decode::Work) <= 48, "Sm90Layout's Work slots");
+// A value every lane of the warp holds, through a shuffle from lane 0 (the warp converged), so
+// that ptxas knows it is uniform: with the walk's number and Work read from shared memory under
+// the dynamic walk, they were per-thread values in both walks (one loop), and so were the
+// rings' stages and phases and the wgmma descriptors derived from them ([SASS d64] most of the
+// consumers' uniform-datapath instructions gone; [H200, call 5] 16k 2-8% slower than before).
+__device__ __forceinline__ int warp_uniform(int v) {
+  return __shfl_sync(0xffffffffu, v, 0);
+}
+__device__ __forceinline__ decode::Work warp_uniform(const decode::Work& w) {
+  decode::Work u;
+  u.r = warp_uniform(w.r);
+  u.kv_head = warp_uniform(w.kv_head);
+  u.row0 = warp_uniform(w.row0);
+  u.num_rows = warp_uniform(w.num_rows);
+  u.q_begin = warp_uniform(w.q_begin);
+  u.q_len = warp_uniform(w.q_len);
+  u.kv_len = warp_uniform(w.kv_len);
+  u.kv_begin = warp_uniform(w.kv_begin);
+  u.kv_end = warp_uniform(w.kv_end);
+  u.split = warp_uniform(w.split);
+  return u;
+}
 template <class T>
 __device__ __forceinline__ decode::Work* work_slot(unsigned char* smem, int qb) {
   return reinterpret_cast<decode::Work*>(smem + T::layout().tile_offset + 16 + 48 * qb);
 }
 template <class T>
 __device__ __forceinline__ void publish_tile(unsigned char* smem, Barriers<T::kStages> bars, int k,
-                                             int tile, const decode::Work* w, uint32_t count) {
+                                             int more, const decode::Work* w, uint32_t count) {
   const int qb = q_buffer<T>(k);
   mbar_wait(bars.q_empty(qb), q_parity<T>(k) ^ 1);
-  reinterpret_cast<volatile int*>(smem + T::layout().tile_offset)[qb] = tile;
+  reinterpret_cast<volatile int*>(smem + T::layout().tile_offset)[qb] = more;
   if (w != nullptr) *work_slot<T>(smem, qb) = *w;
   ptx::mbarrier_arrive(bars.q_full(qb), count);
 }
@@ -312,10 +331,14 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
                                         unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
                                         const TileSeq& seq);
 
-// Whether the CTAs take their work tiles by the counter (draw_tile): a persistent grid
-// with fewer CTAs than work tiles (with as many, each takes its own).
+// Whether the CTAs take their work tiles by the counter (draw_tile): a persistent grid with
+// fewer CTAs than work tiles (with as many, each takes its own), in the instances whose K/V
+// tiles may come by TMA, the only launches the backend gives a counter (CudaImpl::forward). The
+// others compile the walk out: with it, the fp8 products' 56-register producer spilled 16
+// instructions in its K/V loop (none without) and d64 lost 11% [SASS, H200 call 6].
+template <class T>
 __device__ __forceinline__ bool dynamic_walk(const DecodeParams& p, int total) {
-  return p.tile_counter != nullptr && int(gridDim.x) < total;
+  return kTmaTiles<T> && p.tile_counter != nullptr && int(gridDim.x) < total;
 }
 
 // Arrivals that complete a Q buffer's `full` phase: TMA's one (with the box bytes) or one per
@@ -352,7 +375,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   if (threadIdx.x == 0) {
     const int total = p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits;
     for (int b = 0; b < lay.q_stages; ++b) {
-      ptx::mbarrier_init(bars.q_full(b), q_full_arrivals<T>(p, dynamic_walk(p, total)));
+      ptx::mbarrier_init(bars.q_full(b), q_full_arrivals<T>(p, dynamic_walk<T>(p, total)));
       ptx::mbarrier_init(bars.q_empty(b), 128 * T::kConsumers);
     }
     // One arrival per producer thread that brings the tile: the 16-bit producer splits into a
@@ -379,15 +402,17 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // sequence, so the rings' stages and phases carry over from one work tile to the next and the
   // producer loads the next one's Q and K during this one. Each role computes the walk after
   // its setmaxnreg (values live across it spilled), and inlines its role once, behind one
-  // `next` for both walks (two loops doubled the kernel's code). next(seq, w): the next work
-  // tile's number with its Work in w, or -1.
-  auto walk = [&](bool dynamic, auto&& next, auto&& role) {
+  // `next` for both walks (two loops doubled the kernel's code); the walk's state is one int per
+  // role, the rest recomputed from the parameters (the 56-register producer spilled in its K/V
+  // loop while it kept more, and d64 16k lost 8%). next(seq, w): >= 0 with the next work tile's
+  // Work in w, or -1.
+  auto walk = [&](auto&& next, auto&& role) {
     decode::Work w;
     TileSeq seq;
-    for (int t; (t = next(seq, w)) >= 0;) {
+    for (int t; (t = warp_uniform(next(seq, w))) >= 0;) {
+      w = warp_uniform(w);
       const int n_tiles = ceil_div(w.kv_end - w.kv_begin, T::kBlockN);
       seq.pingpong = n_tiles >= p.pingpong_min_tiles;
-      seq.tile = dynamic ? t : -1;
       role(w, n_tiles, seq);
       seq.it += n_tiles;
       ++seq.k;
@@ -398,6 +423,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int nx = p.num_q_tiles * p.num_seqs * p.num_kv_heads, split = t / nx;
     return prefill_work(p, T::kBlockM, T::kSplitAlign, t - split * nx, split, w);
   };
+  auto total_tiles = [&] { return p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits; };
   // The static snake's next number (< total), or -1.
   auto snake = [&](int& round, int total) {
     const int g = int(gridDim.x), b = int(blockIdx.x);
@@ -410,37 +436,39 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
     return -1;
   };
-  volatile int* const slots = reinterpret_cast<volatile int*>(smem + lay.tile_offset);
+  // The hand-over slots (publish_tile), from smem where they are used: a pointer kept across
+  // the roles' loops took a register the producer's K/V loop then spilled for.
+  auto slots = [&] { return reinterpret_cast<volatile int*>(smem + lay.tile_offset); };
   // One branch per role, as setmaxnreg requires, with the tile loop inside it.
   if (threadIdx.x < 128) {
     sm90::setmaxnreg_dec<T::kProducerRegs>();
-    const int total = p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits;
-    const bool dynamic = dynamic_walk(p, total);
-    int first = int(blockIdx.x), round = 0, draws = 0;
+    int step = 0;  // the snake's round, or the dynamic walk's draws
     walk(
-        dynamic,
         [&](const TileSeq& seq, decode::Work& w) {
+          const int total = total_tiles();
           for (;;) {
             int t;
-            if (dynamic) {
-              // Thread 0 draws and broadcasts through slot 2 + draws % 2 (written again only
+            if (dynamic_walk<T>(p, total)) {
+              // Thread 0 draws and broadcasts through slot 2 + step % 2 (written again only
               // after the next barrier, which every thread reaches after reading it); a number
               // without rows is dropped by all and the next drawn. (Drawing one ahead, by a
               // thread of warp 3 while the rest went on, measured no better [H200, call 2 of
               // bench/results/2026-12-04-h200-dynamic-*.txt].)
-              volatile int* const slot = slots + 2 + (draws++ & 1);
+              volatile int* const slot = slots() + 2 + (step & 1);
               if (threadIdx.x == 0) {
+                int first = step == 0 ? int(blockIdx.x) : -1;
                 *slot = draw_tile(
                     first, int(gridDim.x), total, [&] { return atomicAdd(p.tile_counter, 1); },
                     [&] { atomicExch(p.tile_counter, 0); });
               }
+              ++step;
               sm90::named_barrier_sync(1, 128);
               t = *slot;
               if (t < 0 && threadIdx.x == 0) {
                 publish_tile<T>(smem, bars, seq.k, -1, nullptr, q_full_arrivals<T>(p, true));
               }
             } else {
-              t = snake(round, total);
+              t = snake(step, total);
             }
             if (t < 0 || work(t, w)) return t;
           }
@@ -450,19 +478,17 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         });
   } else {
     sm90::setmaxnreg_inc<T::kConsumerRegs>();
-    const int total = p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits;
-    const bool dynamic = dynamic_walk(p, total);
     int round = 0;
     walk(
-        dynamic,
         [&](const TileSeq& seq, decode::Work& w) {
-          if (dynamic) {
-            // Only numbers with rows are published, each with its Work.
+          const int total = total_tiles();
+          if (dynamic_walk<T>(p, total)) {
+            // The producer publishes only work tiles with rows, each with its Work.
             const int qb = q_buffer<T>(seq.k);
             mbar_wait(bars.q_full(qb), q_parity<T>(seq.k));
-            const int t = slots[qb];
-            if (t >= 0) w = *work_slot<T>(smem, qb);
-            return t;
+            const int more = slots()[qb];
+            if (more >= 0) w = *work_slot<T>(smem, qb);
+            return more;
           }
           for (;;) {
             const int t = snake(round, total);
@@ -572,7 +598,9 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   const int it0 = seq.it;
   const int qb = q_buffer<T>(seq.k);
   unsigned char* const q_smem = smem + lay.q_offset + qb * lay.q_bytes;
-  if (seq.tile >= 0 && ct == 0) publish_tile<T>(smem, bars, seq.k, seq.tile, &w, 1);
+  if (ct == 0 && dynamic_walk<T>(p, p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits)) {
+    publish_tile<T>(smem, bars, seq.k, 1, &w, 1);
+  }
   // Q: packed row r -> token r / G, head kv_head * G + r % G. The copying threads first wait
   // until the consumers are done reading the Q of the work tile that last used this buffer
   // (the first use passes at once).
