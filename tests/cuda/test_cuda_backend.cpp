@@ -732,6 +732,16 @@ struct DeviceStep {
 
   KVCacheView cache_view() const { return KVCacheView::from_combined(cache.view()); }
   KVCacheView host_cache_view() const { return KVCacheView::from_combined(host_cache.view()); }
+  // A forward of this step into `out` on `stream` (no plan).
+  ForwardArgs forward_args(const Tensor& out, cudaStream_t stream) const {
+    ForwardArgs f;
+    f.query = query.view();
+    f.kv_cache = cache_view();
+    f.metadata = &md;
+    f.output = out.view();
+    f.stream = {stream};
+    return f;
+  }
 };
 
 StepMetadata make_step(const std::vector<int>& context, const std::vector<int>& q_lens,
@@ -752,16 +762,22 @@ StepMetadata make_step(const std::vector<int>& context, const std::vector<int>& 
   return b.build();
 }
 
-DeviceStep make_device_step(std::mt19937& rng) {
+// A GQA bf16 step of requests with these contexts and query lengths (by default four decodes,
+// one of them speculative, its max_seq_len raised to 8192 so that new metadata may grow into
+// the captured buffers).
+DeviceStep make_device_step(std::mt19937& rng,
+                            const std::vector<int>& context = {3000, 6500, 700, 2000},
+                            const std::vector<int>& q_lens = {1, 1, 1, 4}, int num_blocks = 2048,
+                            int max_seq_len = 8192) {
   DeviceStep s;
   s.config = gqa_config();
-  s.num_blocks = 2048;
+  s.num_blocks = num_blocks;
   const AttentionConfig& c = s.config;
   KVCache host = KVCache::allocate(c, s.num_blocks);
   s.host_cache = random_host(host.storage().view().shape_vector(), c.cache_dtype(), rng);
   s.cache = Tensor::copy_of(s.host_cache.view(), Device::cuda(0));
-  s.step = make_step({3000, 6500, 700, 2000}, {1, 1, 1, 4}, c.block_size, s.num_blocks, rng);
-  s.step.max_seq_len = 8192;
+  s.step = make_step(context, q_lens, c.block_size, s.num_blocks, rng);
+  if (max_seq_len > 0) s.step.max_seq_len = max_seq_len;
   s.md = s.step.to_device(Device::cuda(0));
   s.query = Tensor::copy_of(
       random_host({s.md.num_actual_tokens, c.num_heads, c.head_size}, c.dtype, rng).view(),
@@ -784,6 +800,15 @@ Tensor reference_output(const DeviceStep& s, const Backend& ref) {
   return out;
 }
 
+// One forward captured on `stream` into *graph and instantiated into *exec.
+void capture_forward(AttentionImpl& impl, const ForwardArgs& f, cudaStream_t stream,
+                     cudaGraph_t* graph, cudaGraphExec_t* exec) {
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  impl.forward(f);
+  ASSERT_EQ(cudaStreamEndCapture(stream, graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(exec, *graph, 0), cudaSuccess);
+}
+
 TEST(CudaGraph, ReplayWithNewMetadataInTheSameBuffersMatchesAFreshLaunch) {
   REQUIRE_GPU();
   std::mt19937 rng(3);
@@ -796,21 +821,13 @@ TEST(CudaGraph, ReplayWithNewMetadataInTheSameBuffersMatchesAFreshLaunch) {
   Tensor out = Tensor::empty(s.query.view().shape_vector(), s.config.dtype, Device::cuda(0));
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  ForwardArgs f;
-  f.query = s.query.view();
-  f.kv_cache = s.cache_view();
-  f.metadata = &s.md;
-  f.output = out.view();
+  ForwardArgs f = s.forward_args(out, stream);
   f.plan = plan.get();
   f.workspace = {workspace.data(), plan->workspace_bytes()};
-  f.stream = {stream};
 
   cudaGraph_t graph;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  impl->forward(f);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
   cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_NO_FATAL_FAILURE(capture_forward(*impl, f, stream, &graph, &exec));
 
   auto run_both = [&](const char* when) {
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
@@ -862,18 +879,8 @@ TEST(CudaGraph, ReplayWithNewMetadataInTheSameBuffersMatchesAFreshLaunch) {
 TEST(CudaGraph, PrefillReplaysTakeEveryWorkTile) {
   REQUIRE_GPU();
   std::mt19937 rng(5);
-  DeviceStep s;
-  s.config = gqa_config();
-  s.num_blocks = 512;
+  DeviceStep s = make_device_step(rng, {0, 500, 300, 200}, {1500, 1200, 1400, 800}, 512, 0);
   const AttentionConfig& c = s.config;
-  KVCache host = KVCache::allocate(c, s.num_blocks);
-  s.host_cache = random_host(host.storage().view().shape_vector(), c.cache_dtype(), rng);
-  s.cache = Tensor::copy_of(s.host_cache.view(), Device::cuda(0));
-  s.step = make_step({0, 500, 300, 200}, {1500, 1200, 1400, 800}, c.block_size, s.num_blocks, rng);
-  s.md = s.step.to_device(Device::cuda(0));
-  s.query = Tensor::copy_of(
-      random_host({s.md.num_actual_tokens, c.num_heads, c.head_size}, c.dtype, rng).view(),
-      Device::cuda(0));
   // 47 q tiles of 128 packed rows per request (1500 x 4 / 128), most of them with rows.
   ASSERT_TRUE(cuda::prefill::dynamic_walk_pays(s.md.num_actual_tokens, 4, 4, 128, 47));
   const Tensor want = reference_output(s, *ref::make_backend());
@@ -885,18 +892,10 @@ TEST(CudaGraph, PrefillReplaysTakeEveryWorkTile) {
     Tensor out = Tensor::empty(s.query.view().shape_vector(), c.dtype, Device::cuda(0));
     cudaStream_t stream;
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    ForwardArgs f;
-    f.query = s.query.view();
-    f.kv_cache = s.cache_view();
-    f.metadata = &s.md;
-    f.output = out.view();
-    f.stream = {stream};
+    const ForwardArgs f = s.forward_args(out, stream);
     cudaGraph_t graph;
-    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    impl->forward(f);
-    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
     cudaGraphExec_t exec;
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    ASSERT_NO_FATAL_FAILURE(capture_forward(*impl, f, stream, &graph, &exec));
     for (int replay = 0; replay < 3; ++replay) {
       ASSERT_EQ(cudaMemsetAsync(out.data(), 0xff, out.view().nbytes(), stream), cudaSuccess);
       ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);

@@ -80,16 +80,17 @@ inline constexpr const char* kPairGroupEnvVar = "PAGEDATTN_CUDA_PREFILL_PAIR_GRO
 /// as its producer is free, in launches whose K/V tiles come by TMA and whose work tiles mostly
 /// have rows; the others keep the snake) or static (the snake: CTA b takes number b of even
 /// rounds of gridDim.x and number gridDim.x - 1 - b of odd ones, fixed before the launch).
-/// Measured [H200, same binary and call, bench/results/2026-12-04-h200-dynamic-*.txt] against
-/// the snake: causal d128 1k +6%, 4k +3%, 16k +1%; d64 1k +6%; d256 4k +5%, 16k +2%; ViT d64
-/// +4-7%; with the smaller auto groups it allows, d128 1k +8%.
+/// Measured [H200, same binary and call, bench/results/2026-12-04-h200-dynamic-d908f9c.txt,
+/// call 7] against the snake with its groups: causal d128 1k +3%, 4k +3%, 16k 0%; d64 1k +6%;
+/// d256 4k +8%, 16k +4%; ViT d64 +5-6%.
 inline constexpr const char* kPrefillWalkEnvVar = "PAGEDATTN_CUDA_PREFILL_WALK";
 /// The share of the L2 the auto pair group's K/V may take (static walk).
 inline constexpr double kPrefillL2Share = 0.5;
 /// The fewest pairs per auto group (static walk).
 inline constexpr int kPrefillMinPairGroup = 8;
 /// The same under the dynamic walk, which balances small groups: groups of 4 against auto's
-/// (0.5, 8) gained 1-3% at d128 1k-16k and d256 4k-16k [H200, call 2].
+/// (0.5, 8) gained 1-3% at d128 1k-16k and d256 4k-16k [H200, call 2 of
+/// bench/results/2026-12-04-h200-dynamic-d908f9c.txt].
 inline constexpr double kPrefillL2ShareDynamic = 1.0 / 16.0;
 inline constexpr int kPrefillMinPairGroupDynamic = 4;
 

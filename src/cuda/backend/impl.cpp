@@ -355,7 +355,7 @@ void CudaImpl::forward(const ForwardArgs& a) {
     // The dynamic walk where most work tiles have rows and K/V come by TMA: where the producer
     // copies them by cp.async it is the busiest role, and the draw on its path cost ViT d80 3%
     // against the static snake (the fp8 caches within 1% either way) [H200, calls 1-2 of
-    // bench/results/2026-12-04-h200-dynamic-*.txt].
+    // bench/results/2026-12-04-h200-dynamic-d908f9c.txt].
     const bool dynamic = tile_counter_.defined() && pp.kv_tma != 0 &&
                          prefill::dynamic_walk_pays(md.num_actual_tokens, md.num_seqs, p.group,
                                                     prefill_->block_m, pp.num_q_tiles);

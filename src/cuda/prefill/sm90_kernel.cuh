@@ -120,7 +120,8 @@ static_assert(sizeof(decode::Work) <= 48, "Sm90Layout's Work slots");
 // that ptxas knows it is uniform: with the walk's number and Work read from shared memory under
 // the dynamic walk, they were per-thread values in both walks (one loop), and so were the
 // rings' stages and phases and the wgmma descriptors derived from them ([SASS d64] most of the
-// consumers' uniform-datapath instructions gone; [H200, call 5] 16k 2-8% slower than before).
+// consumers' uniform-datapath instructions gone; [H200, call 5 of
+// 2026-12-04-h200-dynamic-d908f9c.txt] 16k 2-8% slower than before).
 __device__ __forceinline__ int warp_uniform(int v) {
   return __shfl_sync(0xffffffffu, v, 0);
 }
@@ -335,7 +336,8 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
 // fewer CTAs than work tiles (with as many, each takes its own), in the instances whose K/V
 // tiles may come by TMA, the only launches the backend gives a counter (CudaImpl::forward). The
 // others compile the walk out: with it, the fp8 products' 56-register producer spilled 16
-// instructions in its K/V loop (none without) and d64 lost 11% [SASS, H200 call 6].
+// instructions in its K/V loop (none without) and d64 lost 11% [SASS; H200, call 6 of
+// 2026-12-04-h200-dynamic-d908f9c.txt].
 template <class T>
 __device__ __forceinline__ bool dynamic_walk(const DecodeParams& p, int total) {
   return kTmaTiles<T> && p.tile_counter != nullptr && int(gridDim.x) < total;
@@ -453,7 +455,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
               // after the next barrier, which every thread reaches after reading it); a number
               // without rows is dropped by all and the next drawn. (Drawing one ahead, by a
               // thread of warp 3 while the rest went on, measured no better [H200, call 2 of
-              // bench/results/2026-12-04-h200-dynamic-*.txt].)
+              // bench/results/2026-12-04-h200-dynamic-d908f9c.txt].)
               volatile int* const slot = slots() + 2 + (step & 1);
               if (threadIdx.x == 0) {
                 int first = step == 0 ? int(blockIdx.x) : -1;
