@@ -34,12 +34,13 @@ if step check; then
 # paths and with turns in some work tiles only (those of 2 K/V tiles or more), and with the
 # work tiles walked in groups of 3 (request, KV head) pairs (a smaller last group; one CTA per
 # work tile and on the portable kernel too), by the static snake instead of the counter, and by
-# two or three CTAs drawing from the counter; then the auto route with the defaults.
+# two or three CTAs drawing from the counter (the dynamic walk runs where K/V come by TMA: the
+# tma copy path); then the auto route with the defaults.
 for run in "cp.async PAGEDATTN_CUDA_PREFILL_COPY=cp.async" "tma PAGEDATTN_CUDA_PREFILL_COPY=tma" \
   "per-tile PAGEDATTN_CUDA_PREFILL_PERSISTENT=off" \
   "static PAGEDATTN_CUDA_PREFILL_WALK=static" \
   "persist2 PAGEDATTN_CUDA_PREFILL_PERSISTENT=2" \
-  "persist3-group3-cp PAGEDATTN_CUDA_PREFILL_PERSISTENT=3 PAGEDATTN_CUDA_PREFILL_PAIR_GROUP=3 PAGEDATTN_CUDA_PREFILL_COPY=cp.async" \
+  "persist3-group3 PAGEDATTN_CUDA_PREFILL_PERSISTENT=3 PAGEDATTN_CUDA_PREFILL_PAIR_GROUP=3" \
   "persist1 PAGEDATTN_CUDA_PREFILL_PERSISTENT=1" \
   "persist1-cp PAGEDATTN_CUDA_PREFILL_PERSISTENT=1 PAGEDATTN_CUDA_PREFILL_COPY=cp.async" \
   "persist1-pp2 PAGEDATTN_CUDA_PREFILL_PERSISTENT=1 PAGEDATTN_CUDA_PINGPONG_MIN_TILES=2" \
