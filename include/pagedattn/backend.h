@@ -84,7 +84,10 @@ struct MergeRanksArgs {
   Stream stream;
 };
 
-/// One layer's attention implementation, built by Backend::make_impl for a fixed config.
+/// One layer's attention implementation, built by Backend::make_impl for a fixed config. An
+/// implementation may keep device state between launches (the CUDA backend's prefill work-tile
+/// counter), so one implementation's calls must run in stream order: on one stream, or on
+/// streams ordered by events; use one implementation per concurrent stream.
 class AttentionImpl {
  public:
   virtual ~AttentionImpl() = default;
