@@ -262,6 +262,17 @@ __device__ __forceinline__ RowsSpan rows_span(const DecodeParams& p, const decod
                   min(a.hi, w.kv_end)};
 }
 
+// A row's sink (spec 4.12): it joins the softmax's denominator only, so the row's log2-sum-exp
+// lse2 takes it in and the output factor shrinks by the same ratio.
+__device__ __forceinline__ void apply_sink(const DecodeParams& p, int head, float& lse2,
+                                           float& factor) {
+  const float sink2 = p.sinks[head] * kLog2e;
+  const float mx = fmaxf(lse2, sink2);
+  const float total = mx + log2f(exp2f(lse2 - mx) + exp2f(sink2 - mx));
+  factor *= exp2f(lse2 - total);
+  lse2 = total;
+}
+
 // Rows row_a and row_a + 8 (CTA-local) of one m16 tile out: normalise, v scale, sinks; the
 // output and LSE, or the split partials. o, m, l are this thread's accumulator fragment.
 template <DType kAct, int kNt>
@@ -291,13 +302,7 @@ __device__ __forceinline__ void store_rows(const DecodeParams& p, const decode::
       if (t4 == 0) p.partial_lse[at] = lse2;
       continue;
     }
-    if (p.sinks != nullptr) {  // the sink joins the denominator only (spec 4.12)
-      const float sink2 = p.sinks[head] * kLog2e;
-      const float mx = fmaxf(lse2, sink2);
-      const float total = mx + log2f(exp2f(lse2 - mx) + exp2f(sink2 - mx));
-      factor *= exp2f(lse2 - total);
-      lse2 = total;
-    }
+    if (p.sinks != nullptr) apply_sink(p, head, lse2, factor);
     char* out =
         static_cast<char*>(p.out) +
         (int64_t(t) * p.out_stride_token + int64_t(head) * p.out_stride_head) * kElemBytes<kAct>;

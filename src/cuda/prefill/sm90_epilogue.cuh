@@ -45,13 +45,9 @@ __device__ __forceinline__ void store_rows_staged(const DecodeParams& p, const d
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     lse2[h] = sum > 0.0f ? m[h] + log2f(sum) : -INFINITY;
     factor[h] = sum > 0.0f ? p.v_scale / sum : 0.0f;
-    if (p.sinks != nullptr) {  // the sink joins the denominator only (spec 4.12)
-      const int head = w.kv_head * p.group + (w.row0 + wrow0 + g + 8 * h) % p.group;
-      const float sink2 = p.sinks[head] * kLog2e;
-      const float mx = fmaxf(lse2[h], sink2);
-      const float total = mx + log2f(exp2f(lse2[h] - mx) + exp2f(sink2 - mx));
-      factor[h] *= exp2f(lse2[h] - total);
-      lse2[h] = total;
+    if (p.sinks != nullptr) {
+      apply_sink(p, w.kv_head * p.group + (w.row0 + wrow0 + g + 8 * h) % p.group, lse2[h],
+                 factor[h]);
     }
   }
   // Tiles (column block nt, rows 0-7), (nt, rows 8-15), (nt + 1, 0-7), (nt + 1, 8-15): lane l
