@@ -91,8 +91,10 @@ struct Traits {
 
 namespace pagedattn::cuda::prefill {
 
-/// Bytes of Sm90Layout::tile_offset's hand-over area.
-inline constexpr int kTileSlotBytes = 16 + 2 * 48;
+/// Sm90Layout::tile_offset's hand-over area: int [4], then a decode::Work slot of
+/// kWorkSlotBytes per Q buffer.
+inline constexpr int kWorkSlotBytes = 48;
+inline constexpr int kTileSlotBytes = 16 + 2 * kWorkSlotBytes;
 
 /// Shared memory of the Hopper kernel: every operand tile in 128-byte-swizzled panels of 64
 /// columns (the wgmma canonical layout), each panel base 1024-byte aligned.

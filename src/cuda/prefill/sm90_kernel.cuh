@@ -115,7 +115,7 @@ struct TileSeq {
 // Work from shared memory instead of computing it from global memory after that wait.
 // `count` arrivals: one beside Q's own (q_full_arrivals), or all of them for the end, which
 // loads no Q.
-static_assert(sizeof(decode::Work) <= 48, "Sm90Layout's Work slots");
+static_assert(sizeof(decode::Work) <= kWorkSlotBytes, "Sm90Layout's Work slots");
 // A value every lane of the warp holds, through a shuffle from lane 0 (the warp converged), so
 // that ptxas knows it is uniform: with the walk's number and Work read from shared memory under
 // the dynamic walk, they were per-thread values in both walks (one loop), and so were the
@@ -141,7 +141,7 @@ __device__ __forceinline__ decode::Work warp_uniform(const decode::Work& w) {
 }
 template <class T>
 __device__ __forceinline__ decode::Work* work_slot(unsigned char* smem, int qb) {
-  return reinterpret_cast<decode::Work*>(smem + T::layout().tile_offset + 16 + 48 * qb);
+  return reinterpret_cast<decode::Work*>(smem + T::layout().tile_offset + 16 + kWorkSlotBytes * qb);
 }
 template <class T>
 __device__ __forceinline__ void publish_tile(unsigned char* smem, Barriers<T::kStages> bars, int k,
@@ -338,6 +338,10 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
 // others compile the walk out: with it, the fp8 products' 56-register producer spilled 16
 // instructions in its K/V loop (none without) and d64 lost 11% [SASS; H200, call 6 of
 // 2026-12-04-h200-dynamic-d908f9c.txt].
+// The launch's work tiles: (request, KV head) pairs x q tiles x splits.
+__device__ __forceinline__ int work_tiles(const DecodeParams& p) {
+  return p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits;
+}
 template <class T>
 __device__ __forceinline__ bool dynamic_walk(const DecodeParams& p, int total) {
   return kTmaTiles<T> && p.tile_counter != nullptr && int(gridDim.x) < total;
@@ -375,7 +379,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
   const Barriers<T::kStages> bars{reinterpret_cast<uint64_t*>(smem + lay.bar_offset)};
   if (threadIdx.x == 0) {
-    const int total = p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits;
+    const int total = work_tiles(p);
     for (int b = 0; b < lay.q_stages; ++b) {
       ptx::mbarrier_init(bars.q_full(b), q_full_arrivals<T>(p, dynamic_walk<T>(p, total)));
       ptx::mbarrier_init(bars.q_empty(b), 128 * T::kConsumers);
@@ -425,7 +429,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int nx = p.num_q_tiles * p.num_seqs * p.num_kv_heads, split = t / nx;
     return prefill_work(p, T::kBlockM, T::kSplitAlign, t - split * nx, split, w);
   };
-  auto total_tiles = [&] { return p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits; };
   // The static snake's next number (< total), or -1.
   auto snake = [&](int& round, int total) {
     const int g = int(gridDim.x), b = int(blockIdx.x);
@@ -447,7 +450,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     int step = 0;  // the snake's round, or the dynamic walk's draws
     walk(
         [&](const TileSeq& seq, decode::Work& w) {
-          const int total = total_tiles();
+          const int total = work_tiles(p);
           for (;;) {
             int t;
             if (dynamic_walk<T>(p, total)) {
@@ -483,7 +486,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     int round = 0;
     walk(
         [&](const TileSeq& seq, decode::Work& w) {
-          const int total = total_tiles();
+          const int total = work_tiles(p);
           if (dynamic_walk<T>(p, total)) {
             // The producer publishes only work tiles with rows, each with its Work.
             const int qb = q_buffer<T>(seq.k);
@@ -600,7 +603,7 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   const int it0 = seq.it;
   const int qb = q_buffer<T>(seq.k);
   unsigned char* const q_smem = smem + lay.q_offset + qb * lay.q_bytes;
-  if (ct == 0 && dynamic_walk<T>(p, p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits)) {
+  if (ct == 0 && dynamic_walk<T>(p, work_tiles(p))) {
     publish_tile<T>(smem, bars, seq.k, 1, &w, 1);
   }
   // Q: packed row r -> token r / G, head kv_head * G + r % G. The copying threads first wait
@@ -811,7 +814,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   // computing them per thread and moving each into uniform registers (48 R2UR per tile).
   // Measured [H200]: d128 / d256 +2-6% (2026-12-03-h200-tma-605847d.txt), d64 +0-3%
   // (2026-12-04-h200-pingpong-cee695b.txt).
-  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0);
+  const int wg = warp_uniform(int(threadIdx.x) / 128);
   const int ct = int(threadIdx.x) % 128;
   const int cw = wg - 1;  // consumer warpgroup: rows 64 cw .. 64 cw + 63
   const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
