@@ -69,6 +69,7 @@ class Matrix {
     k.v_scale = k.k_scale;  // the latent has one scale
     k.name += " latent";
   }
+  OpCase& last() { return cases_.back(); }
   std::vector<OpCase> take() { return std::move(cases_); }
 
  private:
@@ -265,6 +266,25 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
     c.dtype = DType::kF32;
     c.scale = 0.01f;  // nearly flat
     m.add("scale", c, mixed_batch());
+  }
+  // A bf16 query far outside f16's range (either way) against an fp8 cache whose k_scale keeps
+  // the scores near 1: kernels that multiply fp8 K in f16 scale Q's rows into f16 first.
+  for (float q_std : {0x1p20f, 0x1p-20f}) {
+    for (KVCacheDType kv : {KVCacheDType::kFp8E4M3, KVCacheDType::kFp8E5M2}) {
+      for (int d : {80, 128}) {
+        AttentionConfig c = base;
+        c.dtype = DType::kBF16;
+        c.kv_cache_dtype = kv;
+        c.head_size = d;
+        c.scale = 0;
+        m.add(q_std > 1 ? "query_large" : "query_small", c,
+              {{0, 300}, {700, 150}, {45, 1}, {20, 3}}, 1);
+        OpCase& k = m.last();
+        k.query_std = q_std;
+        k.key_std = 1.0f / q_std;
+        k.k_scale = 1.0f / q_std;
+      }
+    }
   }
   // query_quant: the query quantised to fp8 e4m3 (and, on the Hopper prefill kernel, QK^T and
   // P V as fp8 products). Head sizes with and without an fp8 product kernel, both 16-bit

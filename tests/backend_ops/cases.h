@@ -29,6 +29,9 @@ struct OpCase {
   float k_scale = 1.0f, v_scale = 1.0f;
   float q_scale = 1.0f;    ///< config.query_quant only
   float input_std = 1.0f;  ///< standard deviation of the random inputs
+  /// The query's and the keys' where they differ (0: input_std): magnitudes that a 16-bit path
+  /// must carry, e.g. a bf16 query beyond f16's range against small keys with a small k_scale.
+  float query_std = 0.0f, key_std = 0.0f;
   /// One cache entry serves as key and value (MLAAttention's latent binding): the value rows
   /// are the key rows, v_scale = k_scale, and kv_cache.value is the same view as .key.
   bool latent = false;

@@ -109,12 +109,13 @@ CaseData make_case_data(const OpCase& k) {
   }
 
   const float s = k.input_std;
-  data.query = random_tensor({data.num_query_rows, hq, d}, c.dtype, s, rng);
+  const float qs = k.query_std > 0 ? k.query_std : s, ks = k.key_std > 0 ? k.key_std : s;
+  data.query = random_tensor({data.num_query_rows, hq, d}, c.dtype, qs, rng);
   const int64_t kv_rows = cross ? int64_t(cross_slots.size()) : data.num_query_rows;
-  data.key = random_tensor({kv_rows, hk, d}, c.dtype, s, rng);
+  data.key = random_tensor({kv_rows, hk, d}, c.dtype, ks, rng);
   data.value = random_tensor({kv_rows, hk, d}, c.dtype, s, rng);
   const auto nctx = int64_t(data.context_slots.size());
-  data.context_key = random_tensor({nctx, hk, d}, c.dtype, s, rng);
+  data.context_key = random_tensor({nctx, hk, d}, c.dtype, ks, rng);
   data.context_value = random_tensor({nctx, hk, d}, c.dtype, s, rng);
   if (k.latent) {
     data.value = Tensor::copy_of(data.key.view(), Device::cpu());

@@ -479,83 +479,106 @@ TEST(CudaDecode, TheWholeBackendOpsMatrixPasses) {
 // registers, or in smem at head size 80): a flushed subnormal or a byte routed to the wrong
 // lane or column shows as a wrong element. Request r's key holds code r in every K dim (its
 // query is one-hot at a dim that moves with r and the head) and code r + j in V dim j; codes
-// without a finite value (e4m3 NaN, e5m2 inf / NaN) are replaced by 0.
+// without a finite value (e4m3 NaN, e5m2 inf / NaN) are replaced by 0. On the decode kernel,
+// then with every row on the prefill kernels (Hopper's widens to f16 in its producer; the
+// portable one in shared memory). The prefill kernels' exponent, one FMA (s f - round(max f)),
+// leaves the visible key's P at 2^(+-ulp / 2 of s f), not 1: at e5m2's largest scores (~4e4)
+// 1 +- 7e-4, rounded to 16 bits for P V while l keeps it in float, so their outputs may be
+// one ulp of the output type off (2^-10 relative for f16, 2^-7 for bf16); the nearest other
+// code is >= 2^-4 away.
 TEST(CudaDecode, EveryFp8CodeWidensExactly) {
   REQUIRE_GPU();
-  const auto backend = cuda::make_backend({false, 1});
   constexpr int kRequests = 256, kHeads = 4;
-  for (DType act : {DType::kBF16, DType::kF16}) {
-    for (KVCacheDType kv : {KVCacheDType::kFp8E4M3, KVCacheDType::kFp8E5M2}) {
-      for (int d : cuda::decode::compiled_head_sizes(act, cuda::decode::KVKind::kFp8)) {
-        AttentionConfig c;
-        c.num_heads = kHeads;
-        c.num_kv_heads = 1;
-        c.head_size = d;
-        c.scale = 0.5f;
-        c.dtype = act;
-        c.kv_cache_dtype = kv;
-        c.block_size = 16;
-        const DType cd = c.cache_dtype();
-        auto value = [&](int code) {
-          return double(cd == DType::kFp8E4M3 ? fp8_e4m3_to_float(uint8_t(code))
-                                              : fp8_e5m2_to_float(uint8_t(code)));
-        };
-        auto finite_code = [&](int code) { return std::isfinite(value(code)) ? code : 0; };
-        KVCache host = KVCache::allocate(c, kRequests + 1);
-        std::memset(host.storage().data(), 0, host.storage().view().nbytes());
-        const KVCacheView hv = host.view();
-        MetadataBuilder b(c.block_size);
-        for (int r = 0; r < kRequests; ++r) {
-          const int64_t block = r + 1;
-          auto* k = static_cast<uint8_t*>(hv.key.data) + block * hv.key.stride(0);
-          auto* v = static_cast<uint8_t*>(hv.value.data) + block * hv.value.stride(0);
-          for (int j = 0; j < d; ++j) {
-            k[j] = uint8_t(finite_code(r));
-            v[j] = uint8_t(finite_code((r + j) % 256));
-          }
-          b.add(RequestSpec{0, 1, {int32_t(block)}});
-        }
-        StepMetadata step = b.build();
-        const AttentionMetadata md = step.to_device(Device::cuda(0));
-        Tensor q_host = Tensor::empty({kRequests, kHeads, d}, act);
-        for (int64_t i = 0; i < q_host.view().numel(); ++i) store_element(q_host.data(), act, i, 0);
-        for (int r = 0; r < kRequests; ++r) {
-          for (int h = 0; h < kHeads; ++h) {
-            store_element(q_host.data(), act, (int64_t(r) * kHeads + h) * d + (r + 5 * h) % d, 1);
-          }
-        }
-        const Tensor cache = Tensor::copy_of(host.storage().view(), Device::cuda(0));
-        const Tensor q = Tensor::copy_of(q_host.view(), Device::cuda(0));
-        Tensor out = Tensor::empty({kRequests, kHeads, d}, act, Device::cuda(0));
-        Tensor lse = Tensor::empty({kHeads, kRequests}, DType::kF32, Device::cuda(0));
-        const auto plan = backend->plan(md, c);
-        ASSERT_EQ(plan->workspace_bytes(), 0u);
-        ForwardArgs f;
-        f.query = q.view();
-        f.kv_cache = KVCacheView::from_combined(cache.view());
-        f.metadata = &md;
-        f.output = out.view();
-        f.lse = lse.view();
-        f.plan = plan.get();
-        backend->make_impl(c, Device::cuda(0))->forward(f);
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        const Tensor out_h = Tensor::copy_of(out.view(), Device::cpu());
-        const Tensor lse_h = Tensor::copy_of(lse.view(), Device::cpu());
-        int wrong_out = 0, wrong_lse = 0;
-        for (int r = 0; r < kRequests; ++r) {
-          for (int h = 0; h < kHeads; ++h) {
-            const double want_lse = 0.5 * value(finite_code(r));
-            const double got_lse =
-                load_element(lse_h.data(), DType::kF32, int64_t(h) * kRequests + r);
-            wrong_lse += std::abs(got_lse - want_lse) > 1e-6 * std::abs(want_lse);
+  for (int route = 0; route < 3; ++route) {
+    cuda::BackendOptions options{false, 1};
+    if (route > 0) options.prefill = cuda::PrefillRoute::kAll;
+    options.portable_prefill = route == 2;
+    const char* const route_name = route == 0 ? "decode" : route == 1 ? "prefill" : "portable";
+    const auto backend = cuda::make_backend(options);
+    for (DType act : {DType::kBF16, DType::kF16}) {
+      for (KVCacheDType kv : {KVCacheDType::kFp8E4M3, KVCacheDType::kFp8E5M2}) {
+        for (int d : cuda::decode::compiled_head_sizes(act, cuda::decode::KVKind::kFp8)) {
+          AttentionConfig c;
+          c.num_heads = kHeads;
+          c.num_kv_heads = 1;
+          c.head_size = d;
+          c.scale = 0.5f;
+          c.dtype = act;
+          c.kv_cache_dtype = kv;
+          c.block_size = 16;
+          const DType cd = c.cache_dtype();
+          auto value = [&](int code) {
+            return double(cd == DType::kFp8E4M3 ? fp8_e4m3_to_float(uint8_t(code))
+                                                : fp8_e5m2_to_float(uint8_t(code)));
+          };
+          auto finite_code = [&](int code) { return std::isfinite(value(code)) ? code : 0; };
+          KVCache host = KVCache::allocate(c, kRequests + 1);
+          std::memset(host.storage().data(), 0, host.storage().view().nbytes());
+          const KVCacheView hv = host.view();
+          MetadataBuilder b(c.block_size);
+          for (int r = 0; r < kRequests; ++r) {
+            const int64_t block = r + 1;
+            auto* k = static_cast<uint8_t*>(hv.key.data) + block * hv.key.stride(0);
+            auto* v = static_cast<uint8_t*>(hv.value.data) + block * hv.value.stride(0);
             for (int j = 0; j < d; ++j) {
-              const double got = load_element(out_h.data(), act, (int64_t(r) * kHeads + h) * d + j);
-              wrong_out += got != value(finite_code((r + j) % 256));
+              k[j] = uint8_t(finite_code(r));
+              v[j] = uint8_t(finite_code((r + j) % 256));
+            }
+            b.add(RequestSpec{0, 1, {int32_t(block)}});
+          }
+          StepMetadata step = b.build();
+          const AttentionMetadata md = step.to_device(Device::cuda(0));
+          Tensor q_host = Tensor::empty({kRequests, kHeads, d}, act);
+          for (int64_t i = 0; i < q_host.view().numel(); ++i)
+            store_element(q_host.data(), act, i, 0);
+          for (int r = 0; r < kRequests; ++r) {
+            for (int h = 0; h < kHeads; ++h) {
+              store_element(q_host.data(), act, (int64_t(r) * kHeads + h) * d + (r + 5 * h) % d, 1);
             }
           }
+          const Tensor cache = Tensor::copy_of(host.storage().view(), Device::cuda(0));
+          const Tensor q = Tensor::copy_of(q_host.view(), Device::cuda(0));
+          Tensor out = Tensor::empty({kRequests, kHeads, d}, act, Device::cuda(0));
+          Tensor lse = Tensor::empty({kHeads, kRequests}, DType::kF32, Device::cuda(0));
+          const auto plan = backend->plan(md, c);
+          ASSERT_EQ(plan->workspace_bytes(), 0u);
+          ForwardArgs f;
+          f.query = q.view();
+          f.kv_cache = KVCacheView::from_combined(cache.view());
+          f.metadata = &md;
+          f.output = out.view();
+          f.lse = lse.view();
+          f.plan = plan.get();
+          backend->make_impl(c, Device::cuda(0))->forward(f);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          const Tensor out_h = Tensor::copy_of(out.view(), Device::cpu());
+          const Tensor lse_h = Tensor::copy_of(lse.view(), Device::cpu());
+          int wrong_out = 0, wrong_lse = 0;
+          std::string first;  // the first wrong element, for the message
+          for (int r = 0; r < kRequests; ++r) {
+            for (int h = 0; h < kHeads; ++h) {
+              const double want_lse = 0.5 * value(finite_code(r));
+              const double got_lse =
+                  load_element(lse_h.data(), DType::kF32, int64_t(h) * kRequests + r);
+              wrong_lse += std::abs(got_lse - want_lse) > 1e-6 * std::abs(want_lse);
+              for (int j = 0; j < d; ++j) {
+                const double got =
+                    load_element(out_h.data(), act, (int64_t(r) * kHeads + h) * d + j);
+                const double want = value(finite_code((r + j) % 256));
+                const double ulp = act == DType::kBF16 ? 0x1p-7 : 0x1p-10;
+                const double tol = route == 0 ? 0.0 : ulp * std::abs(want);
+                if (std::abs(got - want) > tol && wrong_out++ == 0) {
+                  first = detail::cat("request ", r, " head ", h, " dim ", j, ": ", got,
+                                      " instead of ", want);
+                }
+              }
+            }
+          }
+          EXPECT_EQ(wrong_out, 0) << route_name << ": " << dtype_name(act) << " over "
+                                  << to_string(kv) << " d" << d << ", first: " << first;
+          EXPECT_EQ(wrong_lse, 0) << route_name << ": " << dtype_name(act) << " over "
+                                  << to_string(kv) << " d" << d;
         }
-        EXPECT_EQ(wrong_out, 0) << dtype_name(act) << " over " << to_string(kv) << " d" << d;
-        EXPECT_EQ(wrong_lse, 0) << dtype_name(act) << " over " << to_string(kv) << " d" << d;
       }
     }
   }

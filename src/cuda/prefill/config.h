@@ -116,11 +116,14 @@ struct Sm90Layout {
   /// consumers) and two for the producer's own broadcast; then decode::Work [2] (48 bytes
   /// each), the work tile of each Q buffer as the producer computed it
   int tile_offset = 0;
+  /// Q rows scaled into f16 (Sm90Traits::kQRescale): float [q_stages][kBlockM], each row's
+  /// 2^-k, the factor its scores are multiplied by to undo the scaling
+  int q_undo_offset = 0;
   int total = 0;  ///< including 1024 bytes to align the dynamic base
 };
 
 constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int stages,
-                                 int kv_elem_bytes) {
+                                 int kv_elem_bytes, bool q_rescale) {
   Sm90Layout s;
   const int panels = (head_size + 63) / 64;  // a last panel of 16-48 columns is partly unused
   s.q_panel = block_m * 128;
@@ -135,7 +138,8 @@ constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int st
     s.table_offset = s.raw_offset + (kv_elem_bytes == 1 ? 2 * block_n * head_size : 0);
     s.bar_offset = s.table_offset + (stages + 1) * block_n * 16;  // kTableSlots
     s.tile_offset = s.bar_offset + (4 + 4 * stages) * 8;
-    s.total = s.tile_offset + kTileSlotBytes + 1024;
+    s.q_undo_offset = s.tile_offset + kTileSlotBytes;
+    s.total = s.q_undo_offset + (q_rescale ? q_stages * block_m * 4 : 0) + 1024;
     if (s.total <= decode::kMaxSmemPerCta || q_stages == 1) return s;
   }
 }
@@ -155,15 +159,19 @@ constexpr Sm90Layout sm90_fp8_layout(int block_m, int block_n, int stages) {
   s.table_offset = s.raw_offset + 2 * block_n * 128;
   s.bar_offset = s.table_offset + (stages + 1) * block_n * 16;
   s.tile_offset = s.bar_offset + (4 + 4 * stages) * 8;
-  s.total = s.tile_offset + kTileSlotBytes + 1024;
+  s.q_undo_offset = s.tile_offset + kTileSlotBytes;
+  s.total = s.q_undo_offset + 1024;
   return s;
 }
 
 /// The Hopper (sm_90a) prefill kernel: a producer warpgroup gathers K/V rows with cp.async
 /// into a two-stage ring on mbarriers, two consumer warpgroups of 64 query rows run
 /// S = Q K^T (wgmma, both operands in smem) and O += P V (wgmma, P from registers). fp8 caches
-/// (kFp8) land raw in a staging buffer and the producer widens them exactly to the activation
-/// type into the ring, so the consumers run the 16-bit products unchanged. Head sizes
+/// (kFp8) land raw in a staging buffer and the producer widens them exactly to f16 (`mma`,
+/// whatever the activation type: every e4m3 / e5m2 value is exact in f16, and the hardware
+/// widens two codes per instruction where bf16 takes a bit trick and a multiply per pair); a
+/// bf16 Q then comes in f16 too, each row scaled by a power of two (kQRescale, the decode
+/// kernel's rule: decode::q_row_shift) that the consumers undo in the softmax. Head sizes
 /// that are not whole panels (80, 96, 192) leave the last panel's tail unwritten: S's k-steps
 /// stop at head_size and P V's n extent is head_size, so neither reads it.
 /// kFp8MathT (query_quant over an e4m3 cache): Q narrowed to e4m3 (exactly: the query was
@@ -180,6 +188,10 @@ struct Sm90Traits {
   static_assert(kAct == DType::kF16 || kAct == DType::kBF16);
   static_assert(kKV == KVKind::kSame || kKV == KVKind::kFp8);
   static constexpr int kKvBytes = kKV == KVKind::kSame ? 2 : 1;
+  /// The 16-bit type of the products: f16 over a widened fp8 cache, else the activations'.
+  static constexpr DType mma = kKV == KVKind::kFp8 && !kFp8Math ? DType::kF16 : kAct;
+  /// Q's rows are scaled into f16 by the producer (bf16 activations over a widened fp8 cache).
+  static constexpr bool kQRescale = mma != kAct;
   static_assert(kHeadSize % 16 == 0 && kHeadSize >= 64 && kHeadSize <= 256,
                 "wgmma k-steps of 16 and n <= 256");
   /// 128-byte panels of Q, K and V rows (64 16-bit columns; all 128 e4m3 columns)
@@ -215,7 +227,7 @@ struct Sm90Traits {
 #endif
   static constexpr Sm90Layout layout() {
     return kFp8Math ? sm90_fp8_layout(kBlockM, kBlockN, kStages)
-                    : sm90_layout(kHeadSize, kBlockM, kBlockN, kStages, kKvBytes);
+                    : sm90_layout(kHeadSize, kBlockM, kBlockN, kStages, kKvBytes, kQRescale);
   }
   static_assert(layout().total <= decode::kMaxSmemPerCta);
 };

@@ -70,29 +70,33 @@ __device__ __forceinline__ ThreadRow thread_row(const DecodeParams& p, const dec
 // thread's rows row_a and row_a + 8), then the online-softmax update of m and l: s becomes P
 // and corr the factor O must be rescaled by (rescale_o; the Hopper kernel does that only once
 // the previous P V has finished). kFeatures false compiles soft cap and ALiBi out: their
-// branches alone made ptxas spill 20-100 bytes in the Hopper kernel's main loop.
+// branches alone made ptxas spill 20-100 bytes in the Hopper kernel's main loop. `undo`: the
+// factors of rows row_a and row_a + 8 that undo a scaling of their Q rows (1 without one).
 template <int kSn, bool kFeatures = true>
 __device__ __forceinline__ void softmax_scores(const DecodeParams& p, const decode::Work& w,
                                                float (&s)[kSn][4], int row_a, int tile_start,
                                                bool need_mask, int t4, float (&m)[2], float (&l)[2],
-                                               float (&corr)[2]) {
+                                               float (&corr)[2], float2 undo = {1.0f, 1.0f}) {
   // Without soft cap or ALiBi the scores stay raw and the scale joins the exponent (one FFMA
   // per score instead of a multiply and a subtraction; max(s) * f = max(s * f) for f > 0).
-  float f = p.scale_log2;
+  float f[2] = {p.scale_log2 * undo.x, p.scale_log2 * undo.y};
   if (kFeatures && p.softcap > 0.0f) {
+    const float arg[2] = {p.softcap_arg_scale * undo.x, p.softcap_arg_scale * undo.y};
 #pragma unroll
     for (int nt = 0; nt < kSn; ++nt) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) s[nt][c] = p.softcap_log2 * tanhf(s[nt][c] * p.softcap_arg_scale);
+      for (int c = 0; c < 4; ++c) {
+        s[nt][c] = p.softcap_log2 * tanhf(s[nt][c] * arg[c >> 1]);
+      }
     }
-    f = 1.0f;
+    f[0] = f[1] = 1.0f;
   } else if (kFeatures && p.alibi_slopes != nullptr) {
 #pragma unroll
     for (int nt = 0; nt < kSn; ++nt) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) s[nt][c] *= p.scale_log2;
+      for (int c = 0; c < 4; ++c) s[nt][c] *= f[c >> 1];
     }
-    f = 1.0f;
+    f[0] = f[1] = 1.0f;
   }
   const bool alibi = kFeatures && p.alibi_slopes != nullptr;
   if (alibi || need_mask) {
@@ -118,7 +122,7 @@ __device__ __forceinline__ void softmax_scores(const DecodeParams& p, const deco
     for (int nt = 0; nt < kSn; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a quad holds a row's keys
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[h], mx * f);
+    const float m_new = fmaxf(m[h], mx * f[h]);
     base[h] = m_new == -INFINITY ? 0.0f : m_new;  // no visible key yet: no NaN
     corr[h] = sm80::exp2_approx(m[h] - base[h]);
     m[h] = m_new;
@@ -128,7 +132,7 @@ __device__ __forceinline__ void softmax_scores(const DecodeParams& p, const deco
   for (int nt = 0; nt < kSn; ++nt) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      s[nt][c] = sm80::exp2_approx(fmaf(s[nt][c], f, -base[c >> 1]));
+      s[nt][c] = sm80::exp2_approx(fmaf(s[nt][c], f[c >> 1], -base[c >> 1]));
       sum[c >> 1] += s[nt][c];
     }
   }

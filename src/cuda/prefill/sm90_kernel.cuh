@@ -41,6 +41,7 @@
 #pragma once
 
 #include <cuda/ptx>
+#include <type_traits>
 
 #include "cuda/arch/sm80/shared.cuh"
 #include "cuda/arch/sm90/wgmma.cuh"
@@ -306,6 +307,39 @@ __device__ __forceinline__ void copy_q_chunk_e4m3(const DecodeParams& p, const d
   *reinterpret_cast<uint4*>(panel + sm90::sw128_offset(row, col)) = codes;
 }
 
+// bf16 Q over a widened fp8 cache (T::kQRescale): producer thread `row` scales Q row `row` of
+// the swizzled panels in place into f16 by 2^k (decode::q_row_shift: its largest |q| into
+// [2^14, 2^15); exact for every element down to 2^-28 of it) and leaves 2^-k in undo[row] for
+// the consumers' softmax. Lanes take consecutive rows, whose swizzle puts the same chunk of 8
+// rows in 8 different 16-byte bank groups.
+template <class T>
+__device__ __forceinline__ void rescale_q_row(unsigned char* q_smem, float* undo, int row) {
+  static_assert(T::kBlockM == 128, "one producer thread per row");
+  constexpr int kChunks = T::head_size / 8;
+  constexpr int kQPanel = T::layout().q_panel;
+  auto chunk = [&](int col) {
+    return reinterpret_cast<uint4*>(q_smem + (col >> 3) * kQPanel +
+                                    sm90::sw128_offset(row, col & 7));
+  };
+  uint32_t max_bits = 0;
+#pragma unroll 4
+  for (int col = 0; col < kChunks; ++col) {
+    max_bits = max(max_bits, decode::bf16x8_abs_max_bits(*chunk(col)));
+  }
+  const int k = decode::q_row_shift(max_bits);
+  const float up = decode::pow2f(k);
+#pragma unroll 4
+  for (int col = 0; col < kChunks; ++col) {
+    uint4 v = *chunk(col);
+    v.x = decode::bf16x2_to_f16x2(v.x, up);
+    v.y = decode::bf16x2_to_f16x2(v.y, up);
+    v.z = decode::bf16x2_to_f16x2(v.z, up);
+    v.w = decode::bf16x2_to_f16x2(v.w, up);
+    *chunk(col) = v;
+  }
+  undo[row] = decode::pow2f(-k);
+}
+
 template <class T>
 __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Work& w,
                                         unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
@@ -506,18 +540,45 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   }
 }
 
+// Four e4m3 codes (byte i = code i) to f16 pairs {0, 1} and {2, 3}. The 16-bit halves through
+// a mov let ptxas read the upper one as an operand (F2FP.F16.E4M3.UNPACK_B R, R.H1); with a
+// shift (decode::fp8x2_f16<.., 1>) each pair cost a SHF more [SASS].
+__device__ __forceinline__ void e4m3x4_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
+      " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
+}
+
+template <bool kE5m2>
+__device__ __forceinline__ void widen_chunk_f16(const uint4& codes, uint32_t (&out)[8]) {
+  const uint32_t wds[4] = {codes.x, codes.y, codes.z, codes.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (kE5m2) {
+      out[2 * k] = sm80::prmt(wds[k], 0u, 0x1404);
+      out[2 * k + 1] = sm80::prmt(wds[k], 0u, 0x3424);
+    } else {
+      e4m3x4_f16(wds[k], out[2 * k], out[2 * k + 1]);
+    }
+  }
+}
+
 // fp8 caches: the producer's loop. Each thread copies its own 16-byte chunks of codes (16
 // keys' worth of one row) into the staging buffer with cp.async, waits for them, and widens them
-// exactly (decode::Fp8Widen: k_scale and v_scale stay in the softmax scale and the output
-// factor) into two 16-byte chunks of the swizzled panels; no other thread reads what it
-// staged, so no barrier is needed between copy and widening. The next tile's K is copied
-// while this tile's V is widened, and its V while the next K is, so a copy's latency is
-// hidden behind one widening.
+// exactly to f16 (T::mma; k_scale and v_scale stay in the softmax scale and the output factor)
+// into two 16-byte chunks of the swizzled panels; no other thread reads what it staged, so no
+// barrier is needed between copy and widening. The next tile's K is copied while this tile's
+// V is widened, and its V while the next K is, so a copy's latency is hidden behind one
+// widening. e4m3: cvt.rn.f16x2.e4m3x2, two codes per instruction (the bit trick to bf16,
+// decode::Fp8Widen, took ~11 instructions per four codes and set this kernel's pace: fp8 KV at
+// 0.57 of the bf16 rate [H200, d908f9c]); e5m2: the code is the f16's top byte.
 template <class T, class FillTable>
 __device__ __forceinline__ void produce_fp8(const DecodeParams& p, unsigned char* smem,
                                             Barriers<T::kStages> bars, int n_tiles, int it0,
                                             const char* k_head, const char* v_head,
                                             FillTable& fill_table) {
+  static_assert(T::mma == DType::kF16);
   constexpr int D = T::head_size, kBlockN = T::kBlockN, kStages = T::kStages;
   constexpr int kRaw = D / 16;  // 16-byte chunks of codes per row
   constexpr int kLanes = kRaw <= 4 ? 4 : kRaw <= 8 ? 8 : 16;
@@ -531,36 +592,52 @@ __device__ __forceinline__ void produce_fp8(const DecodeParams& p, unsigned char
   const int c16 = 2 * col;
   const uint32_t panel_at = (c16 >> 3) * lay.kv_panel;
   const uint32_t raw0 = sm80::smem_addr(smem + lay.raw_offset) + col * 16;
-  const decode::Fp8Widen<T::act> widen(p.kv_dtype == int(DType::kFp8E5M2));
+  const bool e5m2 = p.kv_dtype == int(DType::kFp8E5M2);
   auto stage_codes = [&](int which, const char* head, const int64_t* table) {
     if (!copies) return;
-    const uint32_t dst0 = raw0 + which * kBlockN * D;
+    const uint32_t dst0 = raw0 + which * kBlockN * D + r0 * D;
+    // The row offsets through the shared window (a generic load each cost an address
+    // conversion and a longer latency [ncu]).
+    const uint32_t tab = sm80::smem_addr(table) + (2 * r0 + which) * 8;
+    const char* const src = head + col * 16;
 #pragma unroll 4
     for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
-      const int row = r0 + i * kRowsPerPass;
-      sm80::cp_async_16(dst0 + row * D, head + table[2 * row + which] + col * 16, 16, 0);
+      const int64_t off = int64_t(sm80::lds64(tab + i * kRowsPerPass * 16));
+      sm80::cp_async_16(dst0 + i * kRowsPerPass * D, src + off, 16, 0);
+    }
+  };
+  // Rows r0 + i kRowsPerPass (kRowsPerPass a multiple of 8) share their swizzle: fixed
+  // per-thread shared addresses plus immediates (with generic pointers and the swizzle per row
+  // the loop spent 20 of its 28 instructions per chunk on addresses [SASS]).
+  static_assert(kRowsPerPass % 8 == 0);
+  const uint32_t raw_at = raw0 + r0 * D;
+  const uint32_t dst_lo = panel_at + r0 * 128 + (((c16 & 7) ^ (r0 & 7)) << 4);
+  const uint32_t dst_hi = panel_at + r0 * 128 + ((((c16 + 1) & 7) ^ (r0 & 7)) << 4);
+  // Chunk i + 1 is loaded before chunk i is widened and stored: ptxas keeps shared loads and
+  // stores it cannot tell apart in order, and one chunk at a time left every widening waiting
+  // for its load ([ncu, d128 16k] 41% of the producer's samples on the F2FP, short scoreboard).
+  auto widen_rows = [&](uint32_t raw, uint32_t panels, auto kE5m2) {
+    constexpr int kPasses = kBlockN / kRowsPerPass;
+    uint4 next = sm80::lds128(raw);
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const uint4 codes = next;
+      if (i + 1 < kPasses) next = sm80::lds128(raw + (i + 1) * kRowsPerPass * D);
+      uint32_t out[8];
+      widen_chunk_f16<decltype(kE5m2)::value>(codes, out);
+      sm80::sts128(panels + dst_lo + i * kRowsPerPass * 128,
+                   make_uint4(out[0], out[1], out[2], out[3]));
+      sm80::sts128(panels + dst_hi + i * kRowsPerPass * 128,
+                   make_uint4(out[4], out[5], out[6], out[7]));
     }
   };
   auto widen_codes = [&](int which, unsigned char* panels) {
     if (copies) {
-      const unsigned char* raw = smem + lay.raw_offset + which * kBlockN * D + col * 16;
-      unsigned char* const dst = panels + panel_at;
-#pragma unroll 2
-      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
-        const int row = r0 + i * kRowsPerPass;
-        const uint4 codes = *reinterpret_cast<const uint4*>(raw + row * D);
-        const uint32_t wds[4] = {codes.x, codes.y, codes.z, codes.w};
-        uint32_t out[8];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const uint32_t lo = widen.lo(wds[k]), hi = widen.hi(wds[k]);  // bytes {0, 2}, {1, 3}
-          out[2 * k] = sm80::prmt(lo, hi, 0x5410);
-          out[2 * k + 1] = sm80::prmt(lo, hi, 0x7632);
-        }
-        *reinterpret_cast<uint4*>(dst + sm90::sw128_offset(row, c16 & 7)) =
-            make_uint4(out[0], out[1], out[2], out[3]);
-        *reinterpret_cast<uint4*>(dst + sm90::sw128_offset(row, (c16 + 1) & 7)) =
-            make_uint4(out[4], out[5], out[6], out[7]);
+      const uint32_t raw = raw_at + which * kBlockN * D, dst = sm80::smem_addr(panels);
+      if (e5m2) {
+        widen_rows(raw, dst, std::true_type{});
+      } else {
+        widen_rows(raw, dst, std::false_type{});
       }
     }
     ptx::fence_proxy_async(ptx::space_shared);  // generic stores, then the wgmmas read them
@@ -616,6 +693,19 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
       const int row = c / kQChunks;
       copy_q_chunk_e4m3<T::act>(p, w, row, c - row * kQChunks, q_smem);
     }
+    ptx::fence_proxy_async(ptx::space_shared);  // generic stores, then the wgmmas read them
+    ptx::mbarrier_arrive(bars.q_full(qb));
+  } else if constexpr (T::kQRescale) {
+    mbar_wait(bars.q_empty(qb), q_parity<T>(seq.k) ^ 1);
+    for (int c = ct; c < kBlockM * kChunks; c += 128) {
+      const int row = c / kChunks, col = c - row * kChunks;
+      copy_q_chunk<T::act>(p, w, row, col,
+                           q_smem + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7));
+    }
+    sm80::cp_async_commit();           // wait_group covers committed copies only
+    sm80::cp_async_wait<0>();          // this thread's chunks landed (K/V's are all done)
+    sm90::named_barrier_sync(1, 128);  // ... and every producer thread's
+    rescale_q_row<T>(q_smem, reinterpret_cast<float*>(smem + lay.q_undo_offset) + qb * kBlockM, ct);
     ptx::fence_proxy_async(ptx::space_shared);  // generic stores, then the wgmmas read them
     ptx::mbarrier_arrive(bars.q_full(qb));
   } else {
@@ -806,7 +896,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
                                         const TileSeq& seq) {
   constexpr int D = T::head_size, kBlockN = T::kBlockN;
   constexpr int kStages = T::kStages, kNt = D / 8, kSn = kBlockN / 8;
-  constexpr bool kBF16 = T::act == DType::kBF16;
+  constexpr bool kBF16 = T::mma == DType::kBF16;  // the products' type (f16 over fp8 caches)
   constexpr Sm90Layout lay = T::layout();
   const int it0 = seq.it;
   // The warpgroup index through a shuffle, as CUTLASS does: ptxas then knows it is uniform and
@@ -828,6 +918,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
 #pragma unroll
   for (int nt = 0; nt < kNt; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float2 undo = {1.0f, 1.0f};  // rows row_a, row_a + 8: their Q rows' scaling (rescale_q_row)
   // P of the previous tile, the A operand of its P V: k steps of 16 (16-bit) or 32 (e4m3) keys.
   constexpr int kPk = T::kFp8Math ? 32 : 16;
   uint32_t pa[kBlockN / kPk][4];
@@ -906,7 +997,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   auto softmax = [&](float(&sacc)[kSn][4], int j, float(&corr)[2]) {
     const int ts = w.kv_begin + j * kBlockN;
     const bool need_mask = !(ts >= span.mask_lo && ts + kBlockN <= span.mask_hi);
-    softmax_scores<kSn, kFeatures>(p, w, sacc, row_a, ts, need_mask, t4, m, l, corr);
+    softmax_scores<kSn, kFeatures>(p, w, sacc, row_a, ts, need_mask, t4, m, l, corr, undo);
   };
   auto pack = [&](const float(&sacc)[kSn][4]) {
 #pragma unroll
@@ -914,7 +1005,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
       if constexpr (T::kFp8Math) {
         pack_p_e4m3(sacc, c, pa[c]);
       } else {
-        pack_p<T::act>(sacc, c, pa[c]);
+        pack_p<T::mma>(sacc, c, pa[c]);
       }
     }
   };
@@ -945,6 +1036,11 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
     j_hi = min(n_tiles, ceil_div(span.hi - w.kv_begin, kBlockN));
   }
   mbar_wait(bars.q_full(qb), q_parity<T>(seq.k));
+  if constexpr (T::kQRescale) {
+    const float* const u =
+        reinterpret_cast<const float*>(smem + lay.q_undo_offset) + qb * T::kBlockM;
+    undo = make_float2(u[row_a], u[row_a + 8]);
+  }
   for (int j = 0; j < j_lo; ++j) skip(j);
   if (j_lo < j_hi) {
     // Straight-line wgmma groups, no flags: ptxas serialises the wgmmas (C7514 / C7518) when
