@@ -268,24 +268,29 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
     m.add("scale", c, mixed_batch());
   }
   // A bf16 query far outside f16's range (either way) against an fp8 cache whose k_scale keeps
-  // the scores near 1: kernels that multiply fp8 K in f16 scale Q's rows into f16 first.
+  // the scores near 1: kernels that multiply fp8 K in f16 scale Q's rows into f16 first and
+  // undo it in the score factor (and in ALiBi's pre-scale: the last two cases).
+  auto query_range = [&](float q_std, KVCacheDType kv, int d, bool alibi) {
+    AttentionConfig c = base;
+    c.dtype = DType::kBF16;
+    c.kv_cache_dtype = kv;
+    c.head_size = d;
+    c.scale = 0;
+    if (alibi) c.alibi_slopes = alibi_slopes(c.num_heads);
+    m.add(q_std > 1 ? "query_large" : "query_small", c, {{0, 300}, {700, 150}, {45, 1}, {20, 3}},
+          1);
+    OpCase& k = m.last();
+    k.query_std = q_std;
+    k.key_std = 1.0f / q_std;
+    k.k_scale = 1.0f / q_std;
+  };
   for (float q_std : {0x1p20f, 0x1p-20f}) {
     for (KVCacheDType kv : {KVCacheDType::kFp8E4M3, KVCacheDType::kFp8E5M2}) {
-      for (int d : {80, 128}) {
-        AttentionConfig c = base;
-        c.dtype = DType::kBF16;
-        c.kv_cache_dtype = kv;
-        c.head_size = d;
-        c.scale = 0;
-        m.add(q_std > 1 ? "query_large" : "query_small", c,
-              {{0, 300}, {700, 150}, {45, 1}, {20, 3}}, 1);
-        OpCase& k = m.last();
-        k.query_std = q_std;
-        k.key_std = 1.0f / q_std;
-        k.k_scale = 1.0f / q_std;
-      }
+      for (int d : {80, 128}) query_range(q_std, kv, d, false);
     }
   }
+  query_range(0x1p20f, KVCacheDType::kFp8E4M3, 96, true);
+  query_range(0x1p-20f, KVCacheDType::kFp8E5M2, 192, true);
   // query_quant: the query quantised to fp8 e4m3 (and, on the Hopper prefill kernel, QK^T and
   // P V as fp8 products). Head sizes with and without an fp8 product kernel, both 16-bit
   // activations, long rows (prefill kernels) beside decode rows, several KV tiles and splits,

@@ -104,7 +104,7 @@ struct Sm90Layout {
   int q_offset = 0;  ///< Q [q_stages][panels][kBlockM][64]
   int q_bytes = 0;   ///< bytes of one Q buffer
   /// Q buffers: 2 where they fit (the producer loads the next work tile's Q while the
-  /// consumers still read this one's), else 1 (d256, fp8 widening at d128 and up).
+  /// consumers still read this one's), else 1 (d256, and the fp8 widening at d128).
   int q_stages = 1;
   int stage_offset = 0;  ///< [kStages] { K [panels][kBlockN][64], V the same }
   int stage_bytes = 0;

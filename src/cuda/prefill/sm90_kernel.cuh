@@ -24,8 +24,9 @@
 //             block table into a smem table, a named barrier of the half, then 16-byte cp.async of
 //             every row's chunks into 128-byte-swizzled panels, whose completion arrives on the
 //             same barrier (cp.async.mbarrier.arrive.noinc: the producer never waits for its own
-//             copies). fp8 caches: all 128 threads bring K and V (staged raw, then widened or, for
-//             the fp8 products, V transposed). Warpgroups 1-2 (consumers, 232 or 224 registers) own
+//             copies). fp8 caches: all 128 threads bring K and V (staged raw, then widened to
+//             f16, the products' type, with a bf16 Q scaled into f16 row by row; or, for the
+//             fp8 products, V transposed). Warpgroups 1-2 (consumers, 232 or 224 registers) own
 //             64 rows each and overlap the tensor cores with the softmax as FlashAttention-3 does:
 //             iteration j issues S_j = Q K_j^T (wgmma SS) and then O += P_{j-1} V_{j-1} (wgmma RS,
 //             V MN-major), waits for S_j only, runs the softmax of S_j (the portable kernel's, on
@@ -565,7 +566,7 @@ __device__ __forceinline__ void widen_chunk_f16(const uint4& codes, uint32_t (&o
 }
 
 // fp8 caches: the producer's loop. Each thread copies its own 16-byte chunks of codes (16
-// keys' worth of one row) into the staging buffer with cp.async, waits for them, and widens them
+// head dims of one key row) into the staging buffer with cp.async, waits for them, and widens them
 // exactly to f16 (T::mma; k_scale and v_scale stay in the softmax scale and the output factor)
 // into two 16-byte chunks of the swizzled panels; no other thread reads what it staged, so no
 // barrier is needed between copy and widening. The next tile's K is copied while this tile's
@@ -896,7 +897,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
                                         const TileSeq& seq) {
   constexpr int D = T::head_size, kBlockN = T::kBlockN;
   constexpr int kStages = T::kStages, kNt = D / 8, kSn = kBlockN / 8;
-  constexpr bool kBF16 = T::mma == DType::kBF16;  // the products' type (f16 over fp8 caches)
+  constexpr bool kBF16 = T::mma == DType::kBF16;  // the products' type (f16 over widened fp8)
   constexpr Sm90Layout lay = T::layout();
   const int it0 = seq.it;
   // The warpgroup index through a shuffle, as CUTLASS does: ptxas then knows it is uniform and
