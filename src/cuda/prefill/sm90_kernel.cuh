@@ -687,6 +687,15 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
   // Q: packed row r -> token r / G, head kv_head * G + r % G. The copying threads first wait
   // until the consumers are done reading the Q of the work tile that last used this buffer
   // (the first use passes at once).
+  // The 16-bit Q rows by cp.async (or 16-bit loads), once the buffer is free.
+  auto copy_q = [&] {
+    mbar_wait(bars.q_empty(qb), q_parity<T>(seq.k) ^ 1);
+    for (int c = ct; c < kBlockM * kChunks; c += 128) {
+      const int row = c / kChunks, col = c - row * kChunks;
+      copy_q_chunk<T::act>(p, w, row, col,
+                           q_smem + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7));
+    }
+  };
   if constexpr (T::kFp8Math) {
     mbar_wait(bars.q_empty(qb), q_parity<T>(seq.k) ^ 1);
     constexpr int kQChunks = D / 16;
@@ -697,12 +706,7 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
     ptx::fence_proxy_async(ptx::space_shared);  // generic stores, then the wgmmas read them
     ptx::mbarrier_arrive(bars.q_full(qb));
   } else if constexpr (T::kQRescale) {
-    mbar_wait(bars.q_empty(qb), q_parity<T>(seq.k) ^ 1);
-    for (int c = ct; c < kBlockM * kChunks; c += 128) {
-      const int row = c / kChunks, col = c - row * kChunks;
-      copy_q_chunk<T::act>(p, w, row, col,
-                           q_smem + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7));
-    }
+    copy_q();
     sm80::cp_async_commit();           // wait_group covers committed copies only
     sm80::cp_async_wait<0>();          // this thread's chunks landed (K/V's are all done)
     sm90::named_barrier_sync(1, 128);  // ... and every producer thread's
@@ -730,12 +734,7 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const decode::Wor
         }
       }
     } else {
-      mbar_wait(bars.q_empty(qb), q_parity<T>(seq.k) ^ 1);
-      for (int c = ct; c < kBlockM * kChunks; c += 128) {
-        const int row = c / kChunks, col = c - row * kChunks;
-        copy_q_chunk<T::act>(p, w, row, col,
-                             q_smem + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7));
-      }
+      copy_q();
       ptx::cp_async_mbarrier_arrive_noinc(bars.q_full(qb));
     }
   }
