@@ -96,9 +96,10 @@ struct CacheGeometry {
 };
 
 /// Checks a step's metadata (values read from host-visible memory: the *_cpu mirrors always,
-/// block_table and slot_mapping when they are on the CPU). Throws InvalidArgument naming the
-/// field, the request or token, the value and the bound:
-/// - shapes and dtypes; query_start_loc[0] == 0, non-decreasing, last == num_actual_tokens;
+/// which must be given, block_table and slot_mapping when they are on the CPU). Throws
+/// InvalidArgument naming the field, the request or token, the value and the bound:
+/// - shapes and dtypes; query_start_loc and seq_lens (and their mirrors) contiguous;
+///   query_start_loc[0] == 0, non-decreasing, last == num_actual_tokens;
 /// - seq_lens[r] >= query_len[r] (cross attention: >= 0, its query may outnumber the encoder's
 ///   keys); max_query_len / max_seq_len >= the real maxima;
 /// - for cached types: block_table wide enough for ceil(seq_len / block_size), its used entries

@@ -135,6 +135,9 @@ void require_vector(const TensorView& v, std::string_view name, DType dtype, int
     require(v.size(0) >= min_len, "metadata.", name, " has ", v.size(0),
             " entries; expected at least ", min_len);
   }
+  // Plans and kernels index these vectors as plain arrays.
+  require(v.size(0) <= 1 || v.stride(0) == 1, "metadata.", name,
+          " must be contiguous; its stride is ", v.stride(0));
 }
 
 int64_t at_i32(const TensorView& v, int64_t i) {
@@ -148,13 +151,20 @@ void validate_metadata(const AttentionMetadata& m, AttentionType attn_type,
   require(m.num_seqs >= 0, "metadata.num_seqs (", m.num_seqs, ") must be >= 0");
   require(m.num_actual_tokens >= 0, "metadata.num_actual_tokens (", m.num_actual_tokens,
           ") must be >= 0");
-  const TensorView qsl =
-      m.query_start_loc_cpu.defined() ? m.query_start_loc_cpu : m.query_start_loc;
-  const TensorView sl = m.seq_lens_cpu.defined() ? m.seq_lens_cpu : m.seq_lens;
-  require_vector(qsl, "query_start_loc", DType::kI32, m.num_seqs + 1, true);
-  require_vector(sl, "seq_lens", DType::kI32, m.num_seqs, true);
+  // Every backend's plan reads the host mirrors (StepMetadata::view() and the Python package
+  // set them; on the CPU they may be the same views as query_start_loc and seq_lens).
+  const TensorView& qsl = m.query_start_loc_cpu;
+  const TensorView& sl = m.seq_lens_cpu;
+  const int64_t num_seqs = m.num_seqs;
+  require_vector(qsl, "query_start_loc_cpu", DType::kI32, num_seqs + 1, true);
+  require_vector(sl, "seq_lens_cpu", DType::kI32, num_seqs, true);
   require(qsl.device.is_cpu() && sl.device.is_cpu(),
           "metadata.query_start_loc_cpu and seq_lens_cpu must be host views");
+  // The arrays the kernels read, where given, have the mirrors' shapes (values: checked mode).
+  if (m.query_start_loc.defined()) {
+    require_vector(m.query_start_loc, "query_start_loc", DType::kI32, num_seqs + 1, true);
+  }
+  if (m.seq_lens.defined()) require_vector(m.seq_lens, "seq_lens", DType::kI32, num_seqs, true);
   require(at_i32(qsl, 0) == 0, "metadata.query_start_loc[0] (", at_i32(qsl, 0), ") must be 0");
   int64_t max_q = 0, max_s = 0;
   for (int r = 0; r < m.num_seqs; ++r) {

@@ -68,6 +68,7 @@ AttentionParams make_params(const AttentionConfig& c, const ForwardArgs& a) {
     p.paged = true;
     p.block_table = static_cast<const int32_t*>(md.block_table.data);
     p.block_table_stride = md.block_table.stride(0);
+    p.block_table_stride_block = md.block_table.stride(1);
     p.block_size = kv.block_size();
     if (is_fp8(c.kv_cache_dtype)) {
       p.k_scale = a.scales.k_scale;

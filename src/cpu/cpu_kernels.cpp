@@ -327,7 +327,7 @@ struct KeySource {
   const uint8_t* v;
   size_t elem;
   int64_t k_row0, v_row0;  // unpaged: element offset of the request's first row
-  const int32_t* blocks;   // the request's block table row, or null (unpaged)
+  const int32_t* blocks;   // the request's block table row (stride p->block_table_stride_block)
   const AttentionParams* p;
 };
 
@@ -349,7 +349,7 @@ struct ChunkRows {
     const int bs = p.block_size;
     int64_t block = j0 / bs, off = j0 % bs;
     for (int n = 0; n < nc; ++n) {
-      const int64_t b = src.blocks[block];
+      const int64_t b = src.blocks[block * p.block_table_stride_block];
       k[n] = src.k + ek * (b * p.k_stride_block + off * p.k_stride_token);
       v[n] = src.v + ek * (b * p.v_stride_block + off * p.v_stride_token);
       if (++off == bs) {

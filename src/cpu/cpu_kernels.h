@@ -12,9 +12,10 @@
 namespace pagedattn::cpu {
 
 /// Everything a work item reads. Strides are in elements. For a paged cache, key position j of
-/// request r lives in block block_table[r * block_table_stride + j / block_size] at offset
-/// j % block_size; for encoder types (paged = false) it is row query_start_loc[r] + j of the
-/// key/value inputs (k_stride_token is then the input's row stride).
+/// request r lives in block block_table[r * block_table_stride + (j / block_size) *
+/// block_table_stride_block] at offset j % block_size; for encoder types (paged = false) it is
+/// row query_start_loc[r] + j of the key/value inputs (k_stride_token is then the input's row
+/// stride).
 struct AttentionParams {
   const void* q = nullptr;  // [num_tokens, num_heads, head_size]
   int64_t q_stride_token = 0, q_stride_head = 0;
@@ -32,8 +33,8 @@ struct AttentionParams {
   int64_t k_stride_block = 0, k_stride_token = 0, k_stride_head = 0;
   int64_t v_stride_block = 0, v_stride_token = 0, v_stride_head = 0;
   bool paged = true;
-  const int32_t* block_table = nullptr;  // [num_seqs, block_table_stride]
-  int64_t block_table_stride = 0;
+  const int32_t* block_table = nullptr;  // [num_seqs, max_blocks_per_seq], any strides
+  int64_t block_table_stride = 0, block_table_stride_block = 1;
   const int32_t* query_start_loc = nullptr;  // [num_seqs + 1]
   const int32_t* seq_lens = nullptr;         // [num_seqs]
   int block_size = 1;

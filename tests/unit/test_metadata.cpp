@@ -154,11 +154,11 @@ TEST_F(MetadataValidation, DtypesAndShapes) {
   AttentionMetadata m = s.view();
   m.seq_lens_cpu.dtype = DType::kI64;
   EXPECT_ERROR(validate_metadata(m, AttentionType::kDecoder, {13, 16}), InvalidArgument,
-               "metadata.seq_lens must be int32");
+               "metadata.seq_lens_cpu must be int32");
   m = s.view();
   m.query_start_loc_cpu.shape[0] = 3;
   EXPECT_ERROR(validate_metadata(m, AttentionType::kDecoder, {13, 16}), InvalidArgument,
-               "metadata.query_start_loc has 3 entries; expected 4");
+               "metadata.query_start_loc_cpu has 3 entries; expected 4");
   m = s.view();
   m.slot_mapping.dtype = DType::kI32;
   EXPECT_ERROR(validate_metadata(m, AttentionType::kDecoder, {13, 16}), InvalidArgument,
