@@ -4,6 +4,8 @@
 // bounds, however the header's numbers (shapes, offsets, lengths) lie.
 #include <gtest/gtest.h>
 
+#include <climits>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -53,7 +55,7 @@ std::string damage(std::vector<uint8_t>& bytes, std::mt19937& rng) {
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[size_t(i)];
   const size_t header_end = size_t(8 + header_len);
-  switch (std::uniform_int_distribution<int>(0, 5)(rng)) {
+  switch (std::uniform_int_distribution<int>(0, 6)(rng)) {
     case 0: {  // a digit of the JSON header (a shape, an offset or a metadata number)
       std::vector<size_t> digits;
       for (size_t i = 8; i < header_end; ++i) {
@@ -99,12 +101,35 @@ std::string damage(std::vector<uint8_t>& bytes, std::mt19937& rng) {
       for (int i = 0; i < 8; ++i) bytes[size_t(i)] = uint8_t(len >> (8 * i));
       return "header length -> " + std::to_string(len);
     }
-    default: {  // a tensor's data bytes (values, metadata arrays): any bits
+    case 5:
+      return "metadata element";  // applied to the loaded case: see damage_metadata
+    default: {                    // a tensor's data bytes (values, metadata arrays): any bits
       if (header_end >= bytes.size()) return "no data bytes";
       for (int k = 0; k < 4; ++k) bytes[index(header_end, bytes.size())] = uint8_t(rng());
       return "four data bytes randomised";
     }
   }
+}
+
+// One element of a loaded case's metadata arrays set to a bad value (the byte damages above
+// rarely land in these small arrays).
+std::string damage_metadata(Case& c, std::mt19937& rng) {
+  Tensor* arrays[] = {&c.query_start_loc, &c.seq_lens, &c.block_table, &c.slot_mapping};
+  const char* names[] = {"query_start_loc", "seq_lens", "block_table", "slot_mapping"};
+  const size_t which = std::uniform_int_distribution<size_t>(0, 3)(rng);
+  const TensorView& v = arrays[which]->view();
+  if (v.numel() == 0) return std::string(names[which]) + " is empty";
+  const int64_t at = std::uniform_int_distribution<int64_t>(0, v.numel() - 1)(rng);
+  const int64_t before = int64_t(load_element(v.data, v.dtype, at));
+  const int64_t bad[] = {-1, -2, INT32_MIN, INT32_MAX, before - 1, before + 1, before + 1000};
+  const int64_t value = bad[std::uniform_int_distribution<size_t>(0, std::size(bad) - 1)(rng)];
+  if (v.dtype == DType::kI64) {
+    static_cast<int64_t*>(v.data)[at] = value;
+  } else {
+    static_cast<int32_t*>(v.data)[at] = int32_t(value);
+  }
+  return std::string(names[which]) + "[" + std::to_string(at) + "]: " + std::to_string(before) +
+         " -> " + std::to_string(value);
 }
 
 TEST(FileFuzz, DamagedCaseFilesAreRefusedOrRun) {
@@ -115,7 +140,7 @@ TEST(FileFuzz, DamagedCaseFilesAreRefusedOrRun) {
     std::mt19937 rng(uint32_t(0xf11e0000u + i));
     const Case original = make_random_case(random_spec(rng));
     std::vector<uint8_t> bytes = serialize_safetensors(case_to_safetensors(original));
-    const std::string what = damage(bytes, rng);
+    std::string what = damage(bytes, rng);
     SCOPED_TRACE("case " + std::to_string(i) + ": " + what);
     // A sanitizer stops the process without the trace: PAGEDATTN_FUZZ_VERBOSE names the case.
     if (std::getenv("PAGEDATTN_FUZZ_VERBOSE")) {
@@ -124,7 +149,11 @@ TEST(FileFuzz, DamagedCaseFilesAreRefusedOrRun) {
     try {
       const SafeTensors file = parse_safetensors(bytes);
       ++parsed;
-      const Case c = case_from_safetensors(file);
+      Case c = case_from_safetensors(file);
+      if (what == "metadata element") {
+        what += ": " + damage_metadata(c, rng);
+        if (std::getenv("PAGEDATTN_FUZZ_VERBOSE")) std::fprintf(stderr, "  %s\n", what.c_str());
+      }
       ++loaded;
       const CaseResult result = run_case(c, cpu);
       ++ran;
