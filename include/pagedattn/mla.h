@@ -104,10 +104,11 @@ class MLAAttention {
   void set_stream(Stream stream) { stream_ = stream; }
 
   /// q [T, N, P + R] (RoPE applied to the last R), kv_c_normed [T, L], k_pe [T, R] or
-  /// [T, 1, R]; output [T, N * V] in the activation dtype (float32 / float64 also accepted, for
-  /// checks), rows [0, num_actual_tokens) written. Writes the step's
-  /// latent entries (slot -1 skipped), then attends; reads the step's metadata (KV-cache group
-  /// 0) from the context; a profiling step zeroes the output.
+  /// [T, 1, R], all three in the layer's dtype; output [T, N * V] in the activation dtype
+  /// (float32 / float64 also accepted, for checks), rows [0, num_actual_tokens) written. Host
+  /// tensors may have any strides. Writes the step's latent entries (slot -1 skipped), then
+  /// attends; reads the step's metadata (KV-cache group 0) from the context; a profiling step
+  /// zeroes the output.
   void forward(const TensorView& q, const TensorView& kv_c_normed, const TensorView& k_pe,
                const TensorView& output);
 

@@ -170,6 +170,12 @@ void MLAAttention::forward(const TensorView& q, const TensorView& kv_c, const Te
           "output must be ", dtype_name(config_.dtype),
           " (or float32 / float64) [num_tokens=", t_in, ", num_heads*v_head_dim=", int64_t(n) * v,
           "]; got ", describe(output));
+  // The inputs in the activation dtype, as Attention's query: every formulation stores them
+  // (the latent write) or multiplies them in that precision.
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&kv_c, "kv_c_normed"}, {&k_pe_in, "k_pe"}}) {
+    require(t->dtype == config_.dtype, name, " must be ", dtype_name(config_.dtype),
+            " (the layer's dtype); got ", describe(*t));
+  }
   const bool on_device = !q.device.is_cpu();  // forward_on_device checks the others' device
   for (const TensorView* t : {&kv_c, static_cast<const TensorView*>(&k_pe), &output}) {
     require(on_device || t->device.is_cpu(), "q is on the host, so must the rest be; got ",

@@ -1,0 +1,343 @@
+// Damage to one argument of a valid attention step, for the input fuzz tests: editable copies
+// of a step's metadata arrays with views over them, the damages (a metadata scalar or element
+// set to a bad value, a view dropped, retyped, resized or strided, an input shortened, retyped
+// or strided; some valid re-layouts) and a dense copy of what a validator reads.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "pagedattn/device.h"
+#include "pagedattn/dtype.h"
+#include "pagedattn/error.h"
+#include "pagedattn/forward_context.h"
+#include "pagedattn/metadata.h"
+#include "pagedattn/tensor.h"
+
+namespace pagedattn::testing {
+
+// A [rows, ...] tensor inside an allocation of 2 * rows + 1 rows, so that a damaged view (every
+// stride doubled) still lies in owned memory: only a rule may stop it, not the heap's end.
+struct Rows {
+  Tensor storage;
+  TensorView view;
+};
+
+// Rows of N(0, 1) in `dtype`.
+inline Rows random_rows(DType dtype, std::vector<int64_t> shape, std::mt19937& rng) {
+  const int64_t rows = shape[0];
+  shape[0] = 2 * rows + 1;
+  Rows r{Tensor::empty(shape, dtype), {}};
+  std::normal_distribution<double> dist;
+  for (int64_t i = 0; i < r.storage.view().numel(); ++i) {
+    store_element(r.storage.data(), dtype, i, dist(rng));
+  }
+  r.view = r.storage.view().slice(0, 0, rows);
+  return r;
+}
+
+// Rows whose every bit is 1: NaN in float32, float16 and bfloat16, so an unwritten element
+// cannot pass as written.
+inline Rows poisoned_rows(DType dtype, std::vector<int64_t> shape) {
+  const int64_t rows = shape[0];
+  shape[0] = 2 * rows + 1;
+  Rows r{Tensor::empty(shape, dtype), {}};
+  std::memset(r.storage.data(), 0xff, r.storage.view().nbytes());
+  r.view = r.storage.view().slice(0, 0, rows);
+  return r;
+}
+
+// A view's first `rows` rows as doubles in row-major order, read through its strides.
+inline std::vector<double> row_values(const TensorView& v, int64_t rows) {
+  const Tensor dense = Tensor::copy_of(v.slice(0, 0, rows), Device::cpu());
+  std::vector<double> out(size_t(dense.view().numel()));
+  for (size_t i = 0; i < out.size(); ++i) out[i] = load_element(dense.data(), v.dtype, int64_t(i));
+  return out;
+}
+
+// Editable copies of a step's metadata arrays with views over them: one damage edits the
+// arrays or the views, then the layer gets the AttentionMetadata.
+struct Metadata {
+  // Spare room past every array, so a view made longer or strided stays inside host memory:
+  // the damage must be caught by a rule, not by where the buffer happens to end.
+  static constexpr size_t kSpare = 64;
+  std::vector<int32_t> qsl, seq_lens, block_table, relaid_table;
+  std::vector<int64_t> slots, relaid_slots;
+  AttentionMetadata md;
+
+  // Valid strided layouts of the same values, junk in between: a view of a larger table.
+  void relay_block_table(bool transposed) {
+    const int64_t rows = md.block_table.size(0), cols = md.block_table.size(1);
+    relaid_table.assign(size_t(2 * rows * cols + 1), -7);
+    const int64_t s0 = transposed ? 1 : 2 * cols, s1 = transposed ? 2 * rows : 2;
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < cols; ++j)
+        relaid_table[size_t(i * s0 + j * s1)] = block_table[size_t(i * cols + j)];
+    }
+    md.block_table.data = relaid_table.data();
+    md.block_table.strides[0] = s0;
+    md.block_table.strides[1] = s1;
+  }
+  void relay_slots() {
+    const int64_t n = md.slot_mapping.size(0);
+    relaid_slots.assign(size_t(2 * n + 1), -7);
+    for (int64_t t = 0; t < n; ++t) relaid_slots[size_t(2 * t)] = slots[size_t(t)];
+    md.slot_mapping.data = relaid_slots.data();
+    md.slot_mapping.strides[0] = 2;
+  }
+
+  explicit Metadata(const StepMetadata& step) {
+    md = step.view();
+    qsl = padded(step.query_start_loc);
+    seq_lens = padded(step.seq_lens);
+    block_table = padded(step.block_table);
+    slots = padded(step.slot_mapping);
+    md.query_start_loc.data = qsl.data();
+    md.query_start_loc_cpu.data = qsl.data();
+    md.seq_lens.data = seq_lens.data();
+    md.seq_lens_cpu.data = seq_lens.data();
+    md.block_table.data = block_table.data();
+    md.slot_mapping.data = slots.data();
+  }
+  template <class T>
+  static std::vector<T> padded(const std::vector<T>& v) {
+    std::vector<T> out(v);
+    out.resize(v.size() + kSpare, T(7));
+    return out;
+  }
+};
+
+// What the validator read: every metadata view copied element by element through its strides
+// into dense arrays. An accepted step rerun on these must give the same bits, so a backend that
+// reads a view differently from the validator (ignores a stride) is caught.
+struct DenseCopy {
+  std::vector<int32_t> qsl, seq_lens, block_table;
+  std::vector<int64_t> slots;
+  AttentionMetadata md;
+
+  template <class T>
+  static std::vector<T> dense(const TensorView& v) {
+    std::vector<T> out;
+    const int64_t rows = v.size(0), cols = v.ndim == 2 ? v.size(1) : 1;
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < cols; ++j) {
+        const int64_t at = i * v.stride(0) + (v.ndim == 2 ? j * v.stride(1) : 0);
+        out.push_back(static_cast<const T*>(v.data)[at]);
+      }
+    }
+    return out;
+  }
+  explicit DenseCopy(const AttentionMetadata& from) : md(from) {
+    qsl = dense<int32_t>(from.query_start_loc_cpu);
+    seq_lens = dense<int32_t>(from.seq_lens_cpu);
+    block_table = dense<int32_t>(from.block_table);
+    slots = dense<int64_t>(from.slot_mapping);
+    md.query_start_loc = md.query_start_loc_cpu =
+        TensorView::contiguous(qsl.data(), DType::kI32, {int64_t(qsl.size())});
+    md.seq_lens = md.seq_lens_cpu =
+        TensorView::contiguous(seq_lens.data(), DType::kI32, {int64_t(seq_lens.size())});
+    md.block_table = TensorView::contiguous(block_table.data(), DType::kI32,
+                                            {from.block_table.size(0), from.block_table.size(1)});
+    md.slot_mapping = TensorView::contiguous(slots.data(), DType::kI64, {int64_t(slots.size())});
+  }
+};
+
+// A layer input the damages may shorten, retype or stride: its name and view.
+struct NamedView {
+  const char* name;
+  TensorView* view;
+};
+
+inline int bad_int(std::mt19937& rng, int64_t near) {
+  const int64_t choices[] = {-1, -2, INT_MIN, INT_MAX, near - 1, near + 1, near + 1000, 0};
+  std::uniform_int_distribution<size_t> d(0, std::size(choices) - 1);
+  const int64_t v = choices[d(rng)];
+  return int(std::clamp<int64_t>(v, INT_MIN, INT_MAX));
+}
+
+template <class T>
+inline std::string damage_element(std::vector<T>& data, int64_t size, const char* name,
+                                  std::mt19937& rng) {
+  if (size <= 0) return std::string(name) + ": empty, untouched";
+  std::uniform_int_distribution<int64_t> at(0, size - 1);
+  const int64_t i = at(rng);
+  const T before = data[size_t(i)];
+  data[size_t(i)] = T(bad_int(rng, int64_t(before)));
+  return std::string(name) + "[" + std::to_string(i) + "]: " + std::to_string(before) + " -> " +
+         std::to_string(data[size_t(i)]);
+}
+
+inline TensorView* metadata_view(AttentionMetadata& md, int which, const char** name) {
+  static const char* names[] = {"query_start_loc_cpu", "seq_lens_cpu", "block_table",
+                                "slot_mapping"};
+  *name = names[which];
+  switch (which) {
+    case 0:
+      return &md.query_start_loc_cpu;
+    case 1:
+      return &md.seq_lens_cpu;
+    case 2:
+      return &md.block_table;
+    default:
+      return &md.slot_mapping;
+  }
+}
+
+inline std::string damage_tensor(const std::vector<NamedView>& inputs, std::mt19937& rng) {
+  const NamedView& in = inputs[std::uniform_int_distribution<size_t>(0, inputs.size() - 1)(rng)];
+  TensorView& t = *in.view;
+  switch (std::uniform_int_distribution<int>(0, 3)(rng)) {
+    case 0:
+      t.shape[0] = t.shape[0] > 0 ? t.shape[0] - 1 : 0;
+      return std::string(in.name) + " rows -> " + std::to_string(t.shape[0]);
+    case 1:
+      t.shape[size_t(t.ndim - 1)] += 1;
+      return std::string(in.name) + " one column more";
+    case 2:
+      t.dtype = t.dtype == DType::kF32 ? DType::kF16 : DType::kF32;
+      return std::string(in.name) + " retyped";
+    default:  // every stride doubled: a view of every other element, rows not overlapping
+      for (int d = 0; d < t.ndim; ++d) t.strides[size_t(d)] *= 2;
+      return std::string(in.name) + " every stride doubled";
+  }
+}
+
+// One damage to a step: a metadata field or view, or one of the layer's inputs.
+inline std::string damage(Metadata& m, const std::vector<NamedView>& inputs, std::mt19937& rng) {
+  AttentionMetadata& md = m.md;
+  std::uniform_int_distribution<int> kind(0, 20);
+  std::uniform_int_distribution<int> which(0, 3);
+  const char* name = nullptr;
+  switch (kind(rng)) {
+    case 0:
+      return "none";
+    case 1:
+      md.num_seqs = bad_int(rng, md.num_seqs);
+      return "num_seqs -> " + std::to_string(md.num_seqs);
+    case 2:
+      md.num_actual_tokens = bad_int(rng, md.num_actual_tokens);
+      return "num_actual_tokens -> " + std::to_string(md.num_actual_tokens);
+    case 3:
+      md.max_query_len = bad_int(rng, md.max_query_len);
+      return "max_query_len -> " + std::to_string(md.max_query_len);
+    case 4:
+      md.max_seq_len = bad_int(rng, md.max_seq_len);
+      return "max_seq_len -> " + std::to_string(md.max_seq_len);
+    case 5:
+      return damage_element(m.qsl, md.num_seqs + 1, "query_start_loc", rng);
+    case 6:
+      return damage_element(m.seq_lens, md.num_seqs, "seq_lens", rng);
+    case 7:
+      return damage_element(m.block_table, md.block_table.numel(), "block_table", rng);
+    case 8:
+      return damage_element(m.slots, md.slot_mapping.numel(), "slot_mapping", rng);
+    case 9: {
+      TensorView* t = metadata_view(md, which(rng), &name);
+      *t = TensorView{};
+      return std::string(name) + " undefined";
+    }
+    case 10: {
+      TensorView* t = metadata_view(md, which(rng), &name);
+      t->dtype = t->dtype == DType::kI32 ? DType::kI64 : DType::kI32;
+      return std::string(name) + " dtype changed";
+    }
+    case 11: {
+      TensorView* t = metadata_view(md, which(rng), &name);
+      t->shape[0] += std::uniform_int_distribution<int>(0, 1)(rng) ? 1 : -1;
+      if (t->shape[0] < 0) t->shape[0] = 0;
+      return std::string(name) + " size(0) -> " + std::to_string(t->shape[0]);
+    }
+    case 12: {
+      TensorView* t = metadata_view(md, which(rng), &name);
+      const int dim = t->ndim - 1;
+      t->strides[size_t(dim)] *= 2;
+      return std::string(name) + " stride(" + std::to_string(dim) + ") doubled";
+    }
+    case 13:
+      md.causal = !md.causal;
+      return "causal flipped";
+    case 14:
+      md.query_start_loc_cpu = TensorView{};
+      md.seq_lens_cpu = TensorView{};
+      return "host mirrors undefined";
+    case 15:
+    case 16:
+    case 17:
+      return damage_tensor(inputs, rng);
+    case 18:
+      m.relay_block_table(false);
+      return "block_table re-laid with column stride 2 (valid)";
+    case 19:
+      m.relay_block_table(true);
+      return "block_table re-laid column-major (valid)";
+    default:
+      m.relay_slots();
+      return "slot_mapping re-laid with stride 2";  // write_kv wants it dense
+  }
+}
+
+inline bool all_finite(const std::vector<double>& values) {
+  return std::all_of(values.begin(), values.end(), [](double x) { return std::isfinite(x); });
+}
+
+// What one damaged call did: ran, or refused with this message.
+struct Outcome {
+  bool ran = false;
+  std::string refusal;
+};
+
+// Runs forward(inputs, output) on the damaged step `m` (`what` names the damage) and checks the
+// rule of the input fuzz tests: it throws pagedattn::Error (never for a damage named "none" or
+// "... (valid)") or it runs, writing rows [0, rows) of `output` with finite values that a rerun
+// on dense copies of the metadata (as the validator read it) and of the inputs (as their
+// strides say) reproduces bit for bit. Forward is void(const std::vector<TensorView>& inputs,
+// const TensorView& output).
+template <class Forward>
+Outcome run_damaged(ForwardContext& ctx, const Metadata& m, const std::vector<TensorView>& inputs,
+                    const TensorView& output, int64_t rows, const std::string& what,
+                    Forward&& forward) {
+  Outcome outcome;
+  ctx.begin_step({&m.md});
+  try {
+    forward(inputs, output);
+    ctx.end_step();
+    outcome.ran = true;
+  } catch (const Error& e) {
+    ctx.end_step();
+    outcome.refusal = e.what();
+    EXPECT_FALSE(outcome.refusal.empty());
+    const bool valid = what == "none" || what.find("(valid)") != std::string::npos;
+    EXPECT_FALSE(valid) << "a valid step was refused: " << outcome.refusal;
+    return outcome;
+  } catch (const std::exception& e) {
+    ctx.end_step();
+    ADD_FAILURE() << "threw a non-pagedattn exception: " << e.what();
+    return outcome;
+  }
+  const std::vector<double> got = row_values(output, rows);
+  EXPECT_TRUE(all_finite(got)) << "an accepted step left an element unwritten or non-finite";
+  DenseCopy dense(m.md);
+  std::vector<Tensor> dense_inputs;
+  std::vector<TensorView> dense_views;
+  for (const TensorView& in : inputs) {
+    dense_inputs.push_back(in.defined() ? Tensor::copy_of(in, Device::cpu()) : Tensor{});
+    dense_views.push_back(in.defined() ? dense_inputs.back().view() : TensorView{});
+  }
+  Rows dense_out = poisoned_rows(output.dtype, output.shape_vector());
+  ctx.begin_step({&dense.md});
+  forward(dense_views, dense_out.view);
+  ctx.end_step();
+  EXPECT_TRUE(got == row_values(dense_out.view, rows))
+      << "the step read its arguments differently from the validator or their strides";
+  return outcome;
+}
+
+}  // namespace pagedattn::testing
