@@ -27,8 +27,10 @@ TensorView as_rows(const TensorView& v, std::string_view name, int heads, int he
   } else {
     require(v.size(2) == heads && v.size(3) == head_size, name, " must be [batch, seq, ", heads,
             ", ", head_size, "]; got ", describe(v));
+    require(v.numel() == 0 || v.stride(3) == 1, name,
+            " must be contiguous in its last dimension; got ", describe(v));
     head_stride = v.stride(2);
-    elem_stride = v.stride(3);
+    elem_stride = 1;
   }
   require(b <= 1 || s == 0 || v.stride(0) == s * v.stride(1), name,
           ": batch elements must be evenly strided (stride(0) == seq * stride(1)); got ",
@@ -141,6 +143,12 @@ void MultiHeadAttention::forward(const TensorView& query_in, const TensorView& k
   const TensorView query = as_rows(query_in, "query", hq, d);
   const TensorView key = as_rows(key_in, "key", hk, d);
   const TensorView value = as_rows(value_in, "value", hk, d);
+  // Named here: the cross-attention path would name them kv_cache.key / kv_cache.value.
+  for (const auto& [t, name] :
+       {std::pair{&query_in, "query"}, {&key_in, "key"}, {&value_in, "value"}}) {
+    require(t->dtype == config_.dtype, name, " must be ", dtype_name(config_.dtype),
+            " (the layer's dtype); got ", describe(*t));
+  }
   const TensorView output = as_rows(output_in, "output", hq, d);
   const int64_t batch = query_in.size(0), seq = query_in.size(1), seq_kv = key_in.size(1);
   require(key_in.size(0) == batch && value_in.size(0) == batch && output_in.size(0) == batch,
