@@ -1,8 +1,9 @@
 // The input fuzz for MultiHeadAttention (no cache, no metadata: only the tensors): random valid
 // shapes (3-D and 4-D, self and cross attention, GQA, cpu and ref), one damage to one tensor
 // (tests/common/step_damage.h's, plus a batch or sequence one short). Every call either throws
-// pagedattn::Error naming the caller's tensor or runs, writing every output element with a finite value that a rerun on
-// dense copies of the inputs reproduces bit for bit; under the asan preset, in bounds.
+// pagedattn::Error naming the caller's tensor or runs, writing every output element with a finite
+// value that a rerun on dense copies of the inputs reproduces bit for bit; under the asan preset,
+// in bounds.
 #include <gtest/gtest.h>
 
 #include <cstdio>
