@@ -156,15 +156,16 @@ void validate_metadata(const AttentionMetadata& m, AttentionType attn_type,
   const TensorView& qsl = m.query_start_loc_cpu;
   const TensorView& sl = m.seq_lens_cpu;
   const int64_t num_seqs = m.num_seqs;
-  require_vector(qsl, "query_start_loc_cpu", DType::kI32, num_seqs + 1, true);
-  require_vector(sl, "seq_lens_cpu", DType::kI32, num_seqs, true);
-  require(qsl.device.is_cpu() && sl.device.is_cpu(),
-          "metadata.query_start_loc_cpu and seq_lens_cpu must be host views");
   // The arrays the kernels read, where given, have the mirrors' shapes (values: checked mode).
+  // Checked first, so that a mirror that is the same view is reported under the caller's name.
   if (m.query_start_loc.defined()) {
     require_vector(m.query_start_loc, "query_start_loc", DType::kI32, num_seqs + 1, true);
   }
   if (m.seq_lens.defined()) require_vector(m.seq_lens, "seq_lens", DType::kI32, num_seqs, true);
+  require_vector(qsl, "query_start_loc_cpu", DType::kI32, num_seqs + 1, true);
+  require_vector(sl, "seq_lens_cpu", DType::kI32, num_seqs, true);
+  require(qsl.device.is_cpu() && sl.device.is_cpu(),
+          "metadata.query_start_loc_cpu and seq_lens_cpu must be host views");
   require(at_i32(qsl, 0) == 0, "metadata.query_start_loc[0] (", at_i32(qsl, 0), ") must be 0");
   int64_t max_q = 0, max_s = 0;
   for (int r = 0; r < m.num_seqs; ++r) {

@@ -234,6 +234,29 @@ def test_shape_mismatch(rng) -> None:
                      np.zeros((6, 8, 64), np.float32), lse=np.zeros((4, 6), np.float32))
 
 
+def test_strided_metadata_arrays(rng) -> None:
+    # A block table that is a view into a wider one (every other column) reads as its strides
+    # say; query_start_loc / seq_lens, which every plan reads as plain arrays, must be dense.
+    q, k, v = _arrays(rng)
+    impl = pa.get_impl(_config())
+    kv = pa.allocate_kv_cache(_config(), 4)
+    qsl, seq = np.array([0, 5, 6], np.int32), np.array([5, 21], np.int32)
+    table = np.array([[1, 0], [2, 3]], np.int32)
+    slots = np.array([16, 17, 18, 19, 20, 52])
+    impl.write_kv(k, v, slots, kv)
+    dense = np.full((6, 8, 64), np.nan, np.float32)
+    impl.forward(q, kv, pa.AttentionMetadata(qsl, seq, table, slots), dense)
+    wide = np.full((2, 4), -5, np.int32)
+    wide[:, ::2] = table
+    strided = np.full((6, 8, 64), np.nan, np.float32)
+    impl.forward(q, kv, pa.AttentionMetadata(qsl, seq, wide[:, ::2], slots), strided)
+    np.testing.assert_array_equal(strided, dense)
+    with pytest.raises(pa.InvalidArgument, match="metadata.query_start_loc must be contiguous"):
+        spread = np.zeros(6, np.int32)
+        spread[::2] = qsl
+        impl.forward(q, kv, pa.AttentionMetadata(spread[::2], seq, table, slots), dense)
+
+
 def test_bad_metadata_and_slots(rng) -> None:
     q, k, v = _arrays(rng)
     impl = pa.get_impl(_config())
