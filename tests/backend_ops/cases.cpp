@@ -291,6 +291,21 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
   }
   query_range(0x1p20f, KVCacheDType::kFp8E4M3, 96, true);
   query_range(0x1p-20f, KVCacheDType::kFp8E5M2, 192, true);
+  // A query row scaled up by the most the rule allows (2^126: its largest |q| is about 2^-118,
+  // bf16 subnormals included) under a k_scale of 2^-25: the score factor 2^-126 * k_scale *
+  // scale underflows, and the scores (below 2^-100) must still give near-uniform weights.
+  for (KVCacheDType kv : {KVCacheDType::kFp8E4M3, KVCacheDType::kFp8E5M2}) {
+    AttentionConfig c = base;
+    c.dtype = DType::kBF16;
+    c.kv_cache_dtype = kv;
+    c.head_size = kv == KVCacheDType::kFp8E4M3 ? 128 : 80;
+    c.scale = 0;
+    m.add("query_tiny", c, {{0, 300}, {700, 150}, {45, 1}, {20, 3}}, 1);
+    OpCase& k = m.last();
+    k.query_std = 0x1p-120f;
+    k.key_std = 0x1p-22f;
+    k.k_scale = 0x1p-25f;
+  }
   // query_quant: the query quantised to fp8 e4m3 (and, on the Hopper prefill kernel, QK^T and
   // P V as fp8 products). Head sizes with and without an fp8 product kernel, both 16-bit
   // activations, long rows (prefill kernels) beside decode rows, several KV tiles and splits,

@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 
 #include "cuda/common/device_props.h"
 #include "cuda/decode/kernel.cuh"
@@ -79,7 +80,10 @@ __device__ __forceinline__ void softmax_scores(const DecodeParams& p, const deco
                                                float (&corr)[2], float2 undo = {1.0f, 1.0f}) {
   // Without soft cap or ALiBi the scores stay raw and the scale joins the exponent (one FFMA
   // per score instead of a multiply and a subtraction; max(s) * f = max(s * f) for f > 0).
-  float f[2] = {p.scale_log2 * undo.x, p.scale_log2 * undo.y};
+  // At least FLT_MIN: a row scaled up by 2^126 (its largest |q| below 2^-112) under a tiny
+  // k_scale would get f = 0 and its masked scores -inf * 0 = NaN. Raising f to 2^-126 moves
+  // such a row's scores (|raw| < 2^40 after the scaling) by less than 2^-86.
+  float f[2] = {fmaxf(p.scale_log2 * undo.x, FLT_MIN), fmaxf(p.scale_log2 * undo.y, FLT_MIN)};
   if (kFeatures && p.softcap > 0.0f) {
     const float arg[2] = {p.softcap_arg_scale * undo.x, p.softcap_arg_scale * undo.y};
 #pragma unroll
