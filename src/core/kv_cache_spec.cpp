@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <iomanip>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -14,8 +15,20 @@ using detail::cat;
 using detail::require;
 
 namespace {
+// a, b > 0 (no a + b - 1: a may be INT64_MAX).
 int64_t ceil_div(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
+  return a / b + (a % b != 0);
+}
+// Byte counts of sizes and limits up to INT64_MAX: a product or sum past it saturates there,
+// and plan_kv_cache refuses a need that saturated (no budget holds it).
+constexpr int64_t kSaturated = std::numeric_limits<int64_t>::max();
+int64_t sat_mul(int64_t a, int64_t b) {  // a, b >= 0
+  int64_t r = 0;
+  return __builtin_mul_overflow(a, b, &r) ? kSaturated : r;
+}
+int64_t sat_add(int64_t a, int64_t b) {  // a, b >= 0
+  int64_t r = 0;
+  return __builtin_add_overflow(a, b, &r) ? kSaturated : r;
 }
 }  // namespace
 
@@ -50,12 +63,16 @@ void KVCacheSpec::validate() const {
     require(*sliding_window >= 1, "KVCacheSpec.sliding_window (", *sliding_window,
             ") must be >= 1");
   }
+  require(page_size_bytes() < kSaturated, "KVCacheSpec page (block_size ", block_size,
+          " x num_kv_heads ", num_kv_heads, " x head_size ", head_size, " x ", dtype_size(dtype),
+          " bytes", kind == KVCacheSpecKind::kMLA ? "" : " x 2 for K and V",
+          ") does not fit in int64 bytes");
 }
 
 int64_t KVCacheSpec::page_size_bytes() const {
-  const int64_t per_token = int64_t(num_kv_heads) * head_size * int64_t(dtype_size(dtype));
+  const int64_t per_token = sat_mul(sat_mul(num_kv_heads, head_size), int64_t(dtype_size(dtype)));
   const int64_t kv_factor = kind == KVCacheSpecKind::kMLA ? 1 : 2;  // MLA: one latent entry
-  return kv_factor * block_size * per_token;
+  return sat_mul(sat_mul(kv_factor, block_size), per_token);
 }
 
 int64_t KVCacheSpec::max_memory_usage_bytes(const SchedulerLimits& limits) const {
@@ -63,16 +80,17 @@ int64_t KVCacheSpec::max_memory_usage_bytes(const SchedulerLimits& limits) const
   switch (kind) {
     case KVCacheSpecKind::kFullAttention:
     case KVCacheSpecKind::kMLA:
-      return ceil_div(limits.max_model_len, block_size) * page;
+      return sat_mul(ceil_div(limits.max_model_len, block_size), page);
     case KVCacheSpecKind::kSlidingWindow: {
       // The window of the first new token plus this step's new tokens; +1 because the window
       // may start mid-block.
-      const int64_t tokens = std::min<int64_t>(
-          int64_t(*sliding_window) - 1 + limits.max_num_batched_tokens, limits.max_model_len);
-      return (ceil_div(tokens, block_size) + 1) * page;
+      const int64_t tokens =
+          std::min<int64_t>(sat_add(int64_t(*sliding_window) - 1, limits.max_num_batched_tokens),
+                            limits.max_model_len);
+      return sat_mul(sat_add(ceil_div(tokens, block_size), 1), page);
     }
     case KVCacheSpecKind::kCrossAttention:
-      return ceil_div(limits.max_num_encoder_input_tokens, block_size) * page;
+      return sat_mul(ceil_div(limits.max_num_encoder_input_tokens, block_size), page);
   }
   return 0;
 }
@@ -145,7 +163,8 @@ void validate_layers(std::string_view fn, const std::vector<LayerCacheSpec>& lay
 int64_t total_max_memory_usage(const std::vector<LayerCacheSpec>& layers,
                                const SchedulerLimits& limits) {
   int64_t total = 0;
-  for (const LayerCacheSpec& l : layers) total += l.spec.max_memory_usage_bytes(limits);
+  for (const LayerCacheSpec& l : layers)
+    total = sat_add(total, l.spec.max_memory_usage_bytes(limits));
   return total;
 }
 
@@ -233,6 +252,14 @@ std::vector<KVCacheGroup> hybrid_groups(const std::vector<SpecBucket>& buckets) 
   return groups;
 }
 
+// page * num_blocks (num_blocks from num_blocks_override may make it overflow).
+int64_t tensor_bytes(int64_t page, int64_t num_blocks) {
+  const int64_t bytes = sat_mul(page, num_blocks);
+  require(bytes < kSaturated, "plan_kv_cache: num_blocks ", num_blocks, " x page_size_bytes ", page,
+          " does not fit in int64 bytes");
+  return bytes;
+}
+
 }  // namespace
 
 int64_t estimate_max_model_len(const std::vector<LayerCacheSpec>& layers, int64_t available_bytes,
@@ -259,7 +286,7 @@ KVCachePlan plan_kv_cache(const std::vector<LayerCacheSpec>& layers, int64_t ava
           "No available memory for the cache blocks (available_bytes = ", available_bytes,
           "). Try increasing gpu_memory_utilization or decreasing the memory used by the model.");
   const int64_t needed = total_max_memory_usage(layers, limits);
-  if (needed > available_bytes) {
+  if (needed > available_bytes || needed == kSaturated) {
     const int64_t estimate = search_max_model_len(layers, available_bytes, limits);
     std::string hint;
     if (estimate > 0) {
@@ -280,12 +307,13 @@ KVCachePlan plan_kv_cache(const std::vector<LayerCacheSpec>& layers, int64_t ava
     int64_t sum_pages = 0;
     KVCacheGroup group{{}, layers.front().spec};
     for (const LayerCacheSpec& l : layers) {
-      sum_pages += l.spec.page_size_bytes();
+      sum_pages = sat_add(sum_pages, l.spec.page_size_bytes());
       group.layer_names.push_back(l.layer_name);
     }
     plan.num_blocks = num_blocks_override.value_or(available_bytes / sum_pages);
     for (const LayerCacheSpec& l : layers) {
-      plan.tensors.push_back({l.spec.page_size_bytes() * plan.num_blocks, {l.layer_name}});
+      plan.tensors.push_back(
+          {tensor_bytes(l.spec.page_size_bytes(), plan.num_blocks), {l.layer_name}});
     }
     plan.groups.push_back(std::move(group));
   } else {
@@ -302,7 +330,7 @@ KVCachePlan plan_kv_cache(const std::vector<LayerCacheSpec>& layers, int64_t ava
     plan.num_blocks =
         num_blocks_override.value_or(available_bytes / page / int64_t(layers_per_group));
     for (size_t i = 0; i < layers_per_group; ++i) {
-      KVCacheTensorPlan tensor{page * plan.num_blocks, {}};
+      KVCacheTensorPlan tensor{tensor_bytes(page, plan.num_blocks), {}};
       for (const KVCacheGroup& g : plan.groups) {
         if (i < g.layer_names.size()) tensor.shared_by.push_back(g.layer_names[i]);
       }
@@ -321,7 +349,7 @@ KVCachePlan plan_kv_cache(const std::vector<LayerCacheSpec>& layers, int64_t ava
       group_blocks = std::max(
           group_blocks, ceil_div(spec.max_memory_usage_bytes(limits), spec.page_size_bytes()));
     }
-    plan.num_blocks_per_request += group_blocks;
+    plan.num_blocks_per_request = sat_add(plan.num_blocks_per_request, group_blocks);
   }
   // Every layer pins at least one block (the limits were checked >= 1), so this is > 0.
   plan.max_concurrency = double(plan.num_blocks) / double(plan.num_blocks_per_request);
