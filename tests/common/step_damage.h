@@ -10,7 +10,12 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <initializer_list>
+#include <map>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -23,6 +28,44 @@
 #include "pagedattn/tensor.h"
 
 namespace pagedattn::testing {
+
+// One of `values`, uniformly.
+template <class T>
+T pick(std::mt19937& rng, std::initializer_list<T> values) {
+  return *(values.begin() + std::uniform_int_distribution<size_t>(0, values.size() - 1)(rng));
+}
+
+// The requests of a random valid step over a cache of num_blocks blocks: each request's blocks
+// (sometimes one spare) drawn from a shuffled order, so no request owns a contiguous range, and
+// one to three blocks no request uses.
+struct RandomRequests {
+  std::vector<RequestSpec> requests;
+  int num_blocks = 0;
+};
+inline RandomRequests random_requests(std::mt19937& rng, int block_size,
+                                      std::initializer_list<int> num_requests,
+                                      std::initializer_list<int> context_lens,
+                                      std::initializer_list<int> new_tokens) {
+  RandomRequests out;
+  int used = 0;
+  for (int r = pick(rng, num_requests); r > 0; --r) {
+    RequestSpec req;
+    req.context_len = pick(rng, context_lens);
+    req.num_new_tokens = pick(rng, new_tokens);
+    const int seq_len = req.context_len + req.num_new_tokens;
+    const int blocks = (seq_len + block_size - 1) / block_size + pick(rng, {0, 1});
+    for (int b = 0; b < blocks; ++b) req.block_ids.push_back(used++);
+    out.requests.push_back(std::move(req));
+  }
+  out.num_blocks = used + pick(rng, {1, 2, 3});
+  std::vector<int32_t> perm(size_t(out.num_blocks));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (auto& req : out.requests) {
+    for (auto& b : req.block_ids) b = perm[size_t(b)];
+  }
+  return out;
+}
 
 // A [rows, ...] tensor inside an allocation of 2 * rows + 1 rows, so that a damaged view (every
 // stride doubled) still lies in owned memory: only a rule may stop it, not the heap's end.
@@ -293,6 +336,31 @@ struct Outcome {
   bool ran = false;
   std::string refusal;
 };
+
+// A fuzz test's calls: how many ran, and the refusals by the first word of their message.
+struct Tally {
+  int ran = 0, cases = 0;
+  std::map<std::string, int> refusals;
+
+  void count(const Outcome& o) {
+    ++cases;
+    if (o.ran) ++ran;
+    if (!o.refusal.empty()) refusals[o.refusal.substr(0, o.refusal.find_first_of(" ([:"))]++;
+  }
+  // "[label] 137 of 600 cases ran; refusals by first word: key:33 ..." on stdout.
+  void print(const std::string& label) const {
+    std::string s;
+    for (const auto& [head, n] : refusals) s += " " + head + ":" + std::to_string(n);
+    std::printf("[%s] %d of %d cases ran; refusals by first word:%s\n", label.c_str(), ran, cases,
+                s.c_str());
+  }
+};
+
+// Names case i on stderr when PAGEDATTN_FUZZ_VERBOSE is set: a sanitizer stops the process
+// without gtest's trace.
+inline void announce(int i, const std::string& what) {
+  if (std::getenv("PAGEDATTN_FUZZ_VERBOSE")) std::fprintf(stderr, "case %d: %s\n", i, what.c_str());
+}
 
 // Runs forward(inputs, output) on the damaged step `m` (`what` names the damage) and checks the
 // rule of the input fuzz tests: it throws pagedattn::Error (never for a damage named "none" or

@@ -8,7 +8,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -27,24 +26,20 @@ class MhaInputFuzz : public ::testing::TestWithParam<std::string> {};
 TEST_P(MhaInputFuzz, EveryDamageIsRefusedOrHarmless) {
   const std::string backend = GetParam();
   constexpr int kCases = 300;
-  std::map<std::string, int> refusals;
-  int ran = 0;
+  Tally tally;
   for (int i = 0; i < kCases; ++i) {
     std::mt19937 rng(uint32_t(0x3a400000u + i));
-    auto pick = [&](std::initializer_list<int> values) {
-      return *(values.begin() + std::uniform_int_distribution<size_t>(0, values.size() - 1)(rng));
-    };
     MultiHeadAttentionOptions o;
-    o.num_kv_heads = pick({1, 2});
-    o.num_heads = *o.num_kv_heads * pick({1, 2});
-    o.head_size = pick({16, 32});
+    o.num_kv_heads = pick(rng, {1, 2});
+    o.num_heads = *o.num_kv_heads * pick(rng, {1, 2});
+    o.head_size = pick(rng, {16, 32});
     o.scale = 0.25f;
-    o.dtype = pick({0, 1}) ? DType::kF32 : DType::kBF16;
+    o.dtype = pick(rng, {DType::kF32, DType::kBF16});
     o.attn_backend = backend;
     MultiHeadAttention layer(o);
-    const int64_t b = pick({1, 2, 3}), sq = pick({1, 4, 9});
-    const int64_t skv = pick({0, 0, 1}) ? pick({1, 5}) : sq;
-    const bool split_heads = pick({0, 1});  // [B, S, H, D] rather than [B, S, H * D]
+    const int64_t b = pick(rng, {1, 2, 3}), sq = pick(rng, {1, 4, 9});
+    const int64_t skv = pick(rng, {0, 0, 1}) ? pick(rng, {1, 5}) : sq;
+    const bool split_heads = pick(rng, {0, 1});  // [B, S, H, D] rather than [B, S, H * D]
     auto shape = [&](int64_t s, int heads) {
       return split_heads ? std::vector<int64_t>{b, s, heads, o.head_size}
                          : std::vector<int64_t>{b, s, int64_t(heads) * o.head_size};
@@ -56,34 +51,32 @@ TEST_P(MhaInputFuzz, EveryDamageIsRefusedOrHarmless) {
     std::vector<TensorView> views = {q.view, k.view, v.view, out.view};
     std::string what = "none";
     const char* names[] = {"query", "key", "value", "output"};
-    const int which = pick({0, 1, 2, 3}), kind = pick({0, 1, 2});
+    const int which = pick(rng, {0, 1, 2, 3}), kind = pick(rng, {0, 1, 2});
     if (kind == 1) {
       what = damage_tensor({{names[which], &views[size_t(which)]}}, rng);
     } else if (kind == 2) {
       TensorView& t = views[size_t(which)];
-      const int dim = pick({0, 1});
+      const int dim = pick(rng, {0, 1});
       t.shape[size_t(dim)] = t.shape[size_t(dim)] > 0 ? t.shape[size_t(dim)] - 1 : 0;
       what = std::string(names[which]) + (dim == 0 ? " batch" : " sequence") + " one short";
     }
     SCOPED_TRACE("case " + std::to_string(i) + " (" + backend + "): " + what);
-    if (std::getenv("PAGEDATTN_FUZZ_VERBOSE")) {
-      std::fprintf(stderr, "case %d: %s\n", i, what.c_str());
-    }
+    announce(i, what);
     try {
       layer.forward(views[0], views[1], views[2], views[3]);
     } catch (const Error& e) {
       const std::string msg = e.what();
+      tally.count({false, msg});
       EXPECT_NE(what, "none") << "a valid call was refused: " << msg;
       // The layer has no cache: its errors name the caller's tensors, not the cross path's.
       EXPECT_EQ(msg.find("kv_cache"), std::string::npos) << msg;
-      refusals[msg.substr(0, msg.find_first_of(" ([:"))]++;
       if (std::getenv("PAGEDATTN_FUZZ_VERBOSE")) std::fprintf(stderr, "  %s\n", msg.c_str());
       continue;
     } catch (const std::exception& e) {
       ADD_FAILURE() << "threw a non-pagedattn exception: " << e.what();
       continue;
     }
-    ++ran;
+    tally.count({true, {}});
     const int64_t rows = views[3].size(0);
     const std::vector<double> got = row_values(views[3], rows);
     EXPECT_TRUE(all_finite(got)) << "an accepted call left an element unwritten or non-finite";
@@ -94,12 +87,9 @@ TEST_P(MhaInputFuzz, EveryDamageIsRefusedOrHarmless) {
     EXPECT_TRUE(got == row_values(dense_out.view, rows))
         << "the layer read a tensor differently from its strides";
   }
-  std::string summary;
-  for (const auto& [head, count] : refusals) summary += " " + head + ":" + std::to_string(count);
-  std::printf("[mha fuzz %s] %d of %d cases ran; refusals by first word:%s\n", backend.c_str(), ran,
-              kCases, summary.c_str());
-  EXPECT_GT(ran, kCases / 5);
-  EXPECT_GT(kCases - ran, kCases / 5);
+  tally.print("mha fuzz " + backend);
+  EXPECT_GT(tally.ran, kCases / 5);
+  EXPECT_GT(kCases - tally.ran, kCases / 5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, MhaInputFuzz, ::testing::Values("cpu", "ref"));

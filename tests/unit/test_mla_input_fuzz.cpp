@@ -5,10 +5,6 @@
 // read; under the asan preset, with no access out of bounds.
 #include <gtest/gtest.h>
 
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <map>
 #include <numeric>
 #include <random>
 #include <string>
@@ -25,49 +21,28 @@ using namespace pagedattn::testing;  // NOLINT: the damage helpers
 
 struct MlaScenario {
   MLAOptions options;
-  int num_blocks = 0;
-  std::vector<RequestSpec> requests;
+  RandomRequests step;
 };
 
 MlaScenario random_mla_scenario(std::mt19937& rng, const std::string& backend) {
-  auto pick = [&](std::initializer_list<int> values) {
-    std::uniform_int_distribution<size_t> d(0, values.size() - 1);
-    return *(values.begin() + d(rng));
-  };
   MlaScenario s;
   MLAOptions& o = s.options;
-  o.num_heads = pick({2, 4});
+  o.num_heads = pick(rng, {2, 4});
   o.qk_nope_head_dim = 16;
   o.qk_rope_head_dim = 16;
-  o.v_head_dim = pick({8, 16});
-  o.kv_lora_rank = pick({32, 48});
+  o.v_head_dim = pick(rng, {8, 16});
+  o.kv_lora_rank = pick(rng, {32, 48});
   o.scale = 1.0f / std::sqrt(32.0f);
-  o.dtype = pick({0, 1}) ? DType::kF32 : DType::kBF16;
+  o.dtype = pick(rng, {DType::kF32, DType::kBF16});
   o.attn_backend = backend;
-  o.formulation = static_cast<MLAFormulation>(pick({0, 1, 2}));
-  o.decode_threshold = pick({1, 4});
+  o.formulation =
+      pick(rng, {MLAFormulation::kSplit, MLAFormulation::kAbsorbed, MLAFormulation::kPrefill});
+  o.decode_threshold = pick(rng, {1, 4});
   CacheConfig cache;
-  cache.block_size = pick({1, 4, 16});
-  cache.cache_dtype = pick({0, 0, 1}) ? KVCacheDType::kAuto : KVCacheDType::kFp8E4M3;
+  cache.block_size = pick(rng, {1, 4, 16});
+  cache.cache_dtype = pick(rng, {KVCacheDType::kAuto, KVCacheDType::kAuto, KVCacheDType::kFp8E4M3});
   o.cache_config = cache;
-  const int num_requests = pick({1, 2, 3});
-  int used = 0;
-  for (int r = 0; r < num_requests; ++r) {
-    RequestSpec req;
-    req.context_len = pick({0, 0, 1, 9, 23});
-    req.num_new_tokens = pick({0, 1, 1, 3, 6});
-    const int seq_len = req.context_len + req.num_new_tokens;
-    const int blocks = (seq_len + cache.block_size - 1) / cache.block_size + pick({0, 1});
-    for (int b = 0; b < blocks; ++b) req.block_ids.push_back(used++);
-    s.requests.push_back(std::move(req));
-  }
-  s.num_blocks = used + pick({1, 2});
-  std::vector<int32_t> perm(size_t(s.num_blocks));
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
-  for (auto& req : s.requests) {
-    for (auto& b : req.block_ids) b = perm[size_t(b)];
-  }
+  s.step = random_requests(rng, cache.block_size, {1, 2, 3}, {0, 0, 1, 9, 23}, {0, 1, 1, 3, 6});
   return s;
 }
 
@@ -102,8 +77,7 @@ class MlaInputFuzz : public ::testing::TestWithParam<std::string> {};
 TEST_P(MlaInputFuzz, EveryDamageIsRefusedOrHarmless) {
   const std::string backend = GetParam();
   constexpr int kCases = 300;
-  std::map<std::string, int> refusals;
-  int ran = 0;
+  Tally tally;
   for (int i = 0; i < kCases; ++i) {
     std::mt19937 rng(uint32_t(0x31a00000u + i));
     MlaScenario s = random_mla_scenario(rng, backend);
@@ -115,14 +89,15 @@ TEST_P(MlaInputFuzz, EveryDamageIsRefusedOrHarmless) {
     std::normal_distribution<double> dist;
     for (int64_t j = 0; j < w.view().numel(); ++j) w.data_as<double>()[j] = 0.2 * dist(rng);
     layer.load_kv_b_proj(w.view());
-    Tensor cache = Tensor::zeros({s.num_blocks, o.cache_config->block_size, l + o.qk_rope_head_dim},
-                                 layer.config().cache_dtype());
+    Tensor cache =
+        Tensor::zeros({s.step.num_blocks, o.cache_config->block_size, l + o.qk_rope_head_dim},
+                      layer.config().cache_dtype());
     layer.bind_kv_cache(cache.view());
     if (is_fp8(o.cache_config->cache_dtype)) layer.set_k_scale(0.05f);
-    fill_latent_cache(ctx, layer, o, s.num_blocks, rng);
+    fill_latent_cache(ctx, layer, o, s.step.num_blocks, rng);
 
     MetadataBuilder builder(o.cache_config->block_size);
-    for (const auto& r : s.requests) builder.add(r);
+    for (const auto& r : s.step.requests) builder.add(r);
     StepMetadata step = builder.build();
     Metadata m(step);
     const int64_t tokens = m.md.num_actual_tokens;
@@ -136,22 +111,15 @@ TEST_P(MlaInputFuzz, EveryDamageIsRefusedOrHarmless) {
         rng);
     SCOPED_TRACE("case " + std::to_string(i) + " (" + backend + ", " +
                  std::string(to_string(o.formulation)) + "): " + what);
-    if (std::getenv("PAGEDATTN_FUZZ_VERBOSE")) {
-      std::fprintf(stderr, "case %d: %s\n", i, what.c_str());
-    }
-    const Outcome r = run_damaged(ctx, m, inputs, output, tokens, what,
-                                  [&](const std::vector<TensorView>& x, const TensorView& dst) {
-                                    layer.forward(x[0], x[1], x[2], dst);
-                                  });
-    if (r.ran) ++ran;
-    if (!r.refusal.empty()) refusals[r.refusal.substr(0, r.refusal.find_first_of(" ([:"))]++;
+    announce(i, what);
+    tally.count(run_damaged(ctx, m, inputs, output, tokens, what,
+                            [&](const std::vector<TensorView>& x, const TensorView& dst) {
+                              layer.forward(x[0], x[1], x[2], dst);
+                            }));
   }
-  std::string summary;
-  for (const auto& [head, count] : refusals) summary += " " + head + ":" + std::to_string(count);
-  std::printf("[mla fuzz %s] %d of %d cases ran; refusals by first word:%s\n", backend.c_str(), ran,
-              kCases, summary.c_str());
-  EXPECT_GT(ran, kCases / 20);
-  EXPECT_GT(kCases - ran, kCases / 2);
+  tally.print("mla fuzz " + backend);
+  EXPECT_GT(tally.ran, kCases / 20);
+  EXPECT_GT(kCases - tally.ran, kCases / 2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, MlaInputFuzz, ::testing::Values("cpu", "ref"));
