@@ -181,6 +181,12 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
   rc=$?
   say "sanitizer memcheck cuda_tests (merge, amax, checked): rc=$rc"
   [ $rc -eq 0 ] || status=1
+  # Damaged steps in checked mode (tests/cuda/test_cuda_input_fuzz.cpp): refused or harmless.
+  timeout 300 "$san" --tool memcheck --error-exitcode 99 "$cuda_tests" \
+    --gtest_filter='CudaInputFuzz*' >>"$OUT/sanitizer.log" 2>&1
+  rc=$?
+  say "sanitizer memcheck cuda_tests (input fuzz, checked mode): rc=$rc"
+  [ $rc -eq 0 ] || status=1
 fi
 
 # ---- 4. benchmark: ours (paged) and the torch peers (contiguous) -----------------------------

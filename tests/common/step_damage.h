@@ -153,7 +153,7 @@ struct Metadata {
   template <class T>
   static std::vector<T> padded(const std::vector<T>& v) {
     std::vector<T> out(v);
-    out.resize(v.size() + kSpare, T(7));
+    out.resize(2 * v.size() + kSpare, T(7));  // room for a view retyped to twice the width
     return out;
   }
 };
@@ -368,14 +368,65 @@ inline void announce(int i, const std::string& what) {
 // on dense copies of the metadata (as the validator read it) and of the inputs (as their
 // strides say) reproduces bit for bit. Forward is void(const std::vector<TensorView>& inputs,
 // const TensorView& output).
+// Bytes from a view's first element to just past its last (strides >= 0; 0 when empty).
+inline size_t span_bytes(const TensorView& v) {
+  if (!v.defined() || v.numel() == 0) return 0;
+  int64_t last = 0;
+  for (int d = 0; d < v.ndim; ++d) last += (v.size(d) - 1) * v.stride(d);
+  return size_t(last + 1) * dtype_size(v.dtype);
+}
+
+// Host views put on a device with the same shapes, strides and dtypes: the bytes each view
+// spans are copied into a buffer of its own (kept here), so a damaged view stays as damaged.
+struct OnDevice {
+  Device device;
+  std::vector<Tensor> buffers;
+
+  TensorView put(const TensorView& host) {
+    if (!host.defined() || device.is_cpu()) return host;
+    TensorView v = host;
+    v.device = device;
+    const size_t bytes = span_bytes(host);
+    if (bytes == 0) return v;
+    buffers.push_back(Tensor::empty({int64_t(bytes)}, DType::kU8, device));
+    require_device(device).copy(buffers.back().data(), device, host.data, Device::cpu(), bytes);
+    v.data = buffers.back().data();
+    return v;
+  }
+  // A step's metadata with the arrays the kernels read on the device (mirrors stay host).
+  AttentionMetadata put(const AttentionMetadata& host) {
+    AttentionMetadata md = host;
+    md.query_start_loc = put(host.query_start_loc);
+    md.seq_lens = put(host.seq_lens);
+    md.block_table = put(host.block_table);
+    md.slot_mapping = put(host.slot_mapping);
+    return md;
+  }
+  // Runs forward(inputs, output) on device copies and copies the output's span back.
+  template <class Forward>
+  void run(const std::vector<TensorView>& inputs, const TensorView& output, Forward&& forward) {
+    std::vector<TensorView> in;
+    for (const TensorView& x : inputs) in.push_back(put(x));
+    const TensorView out = put(output);  // the host output is poisoned: so is the copy
+    forward(in, out);
+    if (!device.is_cpu() && span_bytes(output) > 0) {
+      require_device(device).copy(output.data, Device::cpu(), out.data, device, span_bytes(output));
+    }
+  }
+};
+
+// Inputs, output and metadata are host views; on another `device` the step runs on copies of
+// them there (OnDevice), the values compared on the host.
 template <class Forward>
 Outcome run_damaged(ForwardContext& ctx, const Metadata& m, const std::vector<TensorView>& inputs,
                     const TensorView& output, int64_t rows, const std::string& what,
-                    Forward&& forward) {
+                    Forward&& forward, Device device = Device::cpu()) {
   Outcome outcome;
-  ctx.begin_step({&m.md});
+  OnDevice first{device, {}};
+  const AttentionMetadata md = first.put(m.md);
+  ctx.begin_step({&md});
   try {
-    forward(inputs, output);
+    first.run(inputs, output, forward);
     ctx.end_step();
     outcome.ran = true;
   } catch (const Error& e) {
@@ -400,8 +451,10 @@ Outcome run_damaged(ForwardContext& ctx, const Metadata& m, const std::vector<Te
     dense_views.push_back(in.defined() ? dense_inputs.back().view() : TensorView{});
   }
   Rows dense_out = poisoned_rows(output.dtype, output.shape_vector());
-  ctx.begin_step({&dense.md});
-  forward(dense_views, dense_out.view);
+  OnDevice second{device, {}};
+  const AttentionMetadata dense_md = second.put(dense.md);
+  ctx.begin_step({&dense_md});
+  second.run(dense_views, dense_out.view, forward);
   ctx.end_step();
   EXPECT_TRUE(got == row_values(dense_out.view, rows))
       << "the step read its arguments differently from the validator or their strides";
