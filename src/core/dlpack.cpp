@@ -1,6 +1,7 @@
 #include "pagedattn/dlpack.h"
 
 #include <array>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -144,11 +145,18 @@ TensorView from_dlpack(const DLTensor& tensor) {
   } else {
     require(tensor.shape != nullptr, "from_dlpack: shape is NULL for ndim ", tensor.ndim);
     v.ndim = tensor.ndim;
+    int64_t elements = 1;  // every later size product (numel, nbytes, strides) stays in int64
     for (int d = 0; d < v.ndim; ++d) {
       require(tensor.shape[d] >= 0, "from_dlpack: shape[", d, "] (", tensor.shape[d],
               ") must be >= 0");
       v.shape[size_t(d)] = tensor.shape[d];
+      require(!__builtin_mul_overflow(elements, tensor.shape[d], &elements),
+              "from_dlpack: the shape's element count overflows int64 at shape[", d, "] (",
+              tensor.shape[d], ")");
     }
+    require(elements <= std::numeric_limits<int64_t>::max() / int64_t(dtype_size(v.dtype)),
+            "from_dlpack: ", elements, " elements of ", dtype_size(v.dtype),
+            " bytes overflow int64 bytes");
     int64_t stride = 1;
     for (int d = v.ndim - 1; d >= 0; --d) {
       v.strides[size_t(d)] = tensor.strides ? tensor.strides[d] : stride;

@@ -261,6 +261,17 @@ TEST(DLPack, Rejections) {
   EXPECT_TRUE(
       contains(error_of<InvalidArgument>([&] { from_dlpack(bad); }), "shape[0] (-2) must be >= 0"));
   bad = dl;
+  int64_t huge[] = {int64_t(1) << 40, int64_t(1) << 40};  // 2^80 elements
+  bad.shape = huge;
+  bad.ndim = 2;
+  EXPECT_TRUE(contains(error_of<InvalidArgument>([&] { from_dlpack(bad); }),
+                       "element count overflows int64 at shape[1] (1099511627776)"));
+  int64_t wide[] = {int64_t(1) << 62};  // 2^62 float32 elements: 2^64 bytes
+  bad.shape = wide;
+  bad.ndim = 1;
+  EXPECT_TRUE(contains(error_of<InvalidArgument>([&] { from_dlpack(bad); }),
+                       "elements of 4 bytes overflow int64 bytes"));
+  bad = dl;
   bad.data = nullptr;
   EXPECT_TRUE(contains(error_of<InvalidArgument>([&] { from_dlpack(bad); }),
                        "data is NULL for a tensor of 4 elements"));
