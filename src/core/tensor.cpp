@@ -206,11 +206,25 @@ void copy_tensor(const TensorView& dst, const TensorView& src) {
   Tensor host_src = Tensor::empty(src.shape_vector(), src.dtype);
   if (src.device.is_cpu()) {
     copy_tensor(host_src.view(), src);
-  } else {
-    require(src.is_contiguous(), "copy_tensor: strided source on ", to_string(src.device),
-            " is not supported");
+  } else if (src.is_contiguous()) {
     require_device(src.device)
         .copy(host_src.data(), Device::cpu(), src.data, src.device, src.nbytes());
+  } else {
+    // The bytes the view spans (a column of a wider table, a transposed matrix), then a
+    // strided copy on the host.
+    int64_t last = 0;
+    for (int d = 0; d < src.ndim; ++d) {
+      require(src.stride(d) >= 0, "copy_tensor: negative stride ", src.stride(d), " of ",
+              describe(src), " is not supported");
+      last += (src.size(d) - 1) * src.stride(d);
+    }
+    Tensor span = Tensor::empty({last + 1}, src.dtype);
+    require_device(src.device)
+        .copy(span.data(), Device::cpu(), src.data, src.device, size_t(last + 1) * es);
+    TensorView on_host = src;
+    on_host.data = span.data();
+    on_host.device = Device::cpu();
+    copy_tensor(host_src.view(), on_host);
   }
   if (dst.device.is_cpu()) {
     copy_tensor(dst, host_src.view());
