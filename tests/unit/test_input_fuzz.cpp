@@ -23,7 +23,8 @@ namespace {
 
 using namespace pagedattn::testing;  // NOLINT: the damage helpers
 
-// One valid decoder step over a paged cache whose every slot holds finite values.
+// One valid step: a decoder's over a paged cache whose every slot holds finite values, or an
+// encoder-only layer's (no cache: keys are the step's own rows, not causal).
 struct Scenario {
   AttentionOptions options;
   RandomRequests step;
@@ -44,7 +45,16 @@ Scenario random_scenario(std::mt19937& rng, const std::string& backend) {
   if (pick(rng, {0, 0, 1})) cache.sliding_window = pick(rng, {3, 17});
   o.cache_config = cache;
   if (pick(rng, {0, 0, 1})) o.logits_soft_cap = 20.0f;
-  s.step = random_requests(rng, cache.block_size, {1, 2, 3, 4}, {0, 0, 1, 5, 23}, {0, 1, 1, 3, 7});
+  o.attn_type = pick(rng, {AttentionType::kDecoder, AttentionType::kDecoder,
+                           AttentionType::kDecoder, AttentionType::kEncoderOnly});
+  if (o.attn_type == AttentionType::kEncoderOnly) {
+    o.cache_config->cache_dtype = KVCacheDType::kAuto;  // no cache to quantise
+    s.step = random_requests(rng, cache.block_size, {1, 2, 3, 4}, {0}, {0, 1, 3, 7, 12});
+    for (auto& r : s.step.requests) r.block_ids.clear();  // no cache: slots -1
+  } else {
+    s.step =
+        random_requests(rng, cache.block_size, {1, 2, 3, 4}, {0, 0, 1, 5, 23}, {0, 1, 1, 3, 7});
+  }
   return s;
 }
 
@@ -77,11 +87,16 @@ TEST_P(InputFuzz, EveryDamageIsRefusedOrHarmless) {
     s.options.prefix = "fuzz." + std::to_string(i);
     ForwardContext ctx;
     Attention layer(ctx, s.options);
-    KVCache cache = KVCache::allocate(layer.config(), s.step.num_blocks);
-    layer.bind_kv_cache({cache.view()});
-    fill_cache(ctx, layer, s.step.num_blocks, rng);
+    const bool cached = uses_kv_cache(layer.config().attn_type);
+    KVCache cache;
+    if (cached) {
+      cache = KVCache::allocate(layer.config(), s.step.num_blocks);
+      layer.bind_kv_cache({cache.view()});
+      fill_cache(ctx, layer, s.step.num_blocks, rng);
+    }
 
     MetadataBuilder builder(layer.config().block_size);
+    builder.causal(cached);
     for (const auto& r : s.step.requests) builder.add(r);
     StepMetadata step = builder.build();
     Metadata m(step);
