@@ -20,10 +20,12 @@
 #include <string>
 #include <vector>
 
+#include "pagedattn/config.h"
 #include "pagedattn/device.h"
 #include "pagedattn/dtype.h"
 #include "pagedattn/error.h"
 #include "pagedattn/forward_context.h"
+#include "pagedattn/layer.h"
 #include "pagedattn/metadata.h"
 #include "pagedattn/tensor.h"
 
@@ -414,6 +416,65 @@ struct OnDevice {
     }
   }
 };
+
+// One damaged step of an Attention layer configured as `c`: the requests' metadata, query /
+// key / value rows of N(0, 1), a poisoned output, then one damage() to any of them. Neither
+// copyable nor movable (the views point into its own members).
+struct DamagedLayerStep {
+  Metadata m;
+  int64_t tokens;
+  Rows q, k, v, out;
+  std::vector<TensorView> inputs;
+  TensorView output;
+  std::string what;
+
+  DamagedLayerStep(const AttentionConfig& c, const std::vector<RequestSpec>& requests,
+                   std::mt19937& rng)
+      : m(build(c, requests)),
+        tokens(m.md.num_actual_tokens),
+        q(random_rows(c.dtype, {tokens, int64_t(c.num_heads) * c.head_size}, rng)),
+        k(random_rows(c.dtype, {tokens, int64_t(c.num_kv_heads) * c.head_size}, rng)),
+        v(random_rows(c.dtype, {tokens, int64_t(c.num_kv_heads) * c.head_size}, rng)),
+        out(poisoned_rows(c.dtype, {tokens, int64_t(c.num_heads) * c.head_size})),
+        inputs{q.view, k.view, v.view},
+        output(out.view) {
+    what = damage(
+        m, {{"query", &inputs[0]}, {"key", &inputs[1]}, {"value", &inputs[2]}, {"output", &output}},
+        rng);
+  }
+  DamagedLayerStep(const DamagedLayerStep&) = delete;
+  DamagedLayerStep& operator=(const DamagedLayerStep&) = delete;
+
+ private:
+  static StepMetadata build(const AttentionConfig& c, const std::vector<RequestSpec>& requests) {
+    MetadataBuilder builder(c.block_size);
+    builder.causal(c.causal());
+    for (const RequestSpec& r : requests) builder.add(r);
+    return builder.build();
+  }
+};
+
+// Writes finite K/V into every slot of the layer's cache (on `device`): one request owning
+// every block.
+inline void fill_layer_cache(ForwardContext& ctx, Attention& layer, int num_blocks,
+                             std::mt19937& rng, Device device = Device::cpu()) {
+  const AttentionConfig& c = layer.config();
+  RequestSpec all;
+  all.num_new_tokens = num_blocks * c.block_size;
+  for (int b = 0; b < num_blocks; ++b) all.block_ids.push_back(b);
+  StepMetadata step = MetadataBuilder(c.block_size).add(all).build();
+  const AttentionMetadata md = step.to_device(device);
+  const int64_t t = all.num_new_tokens;
+  const Tensor q = Tensor::copy_of(
+      random_rows(c.dtype, {t, int64_t(c.num_heads) * c.head_size}, rng).view, device);
+  const Tensor k = Tensor::copy_of(
+      random_rows(c.dtype, {t, int64_t(c.num_kv_heads) * c.head_size}, rng).view, device);
+  const Tensor v = Tensor::copy_of(
+      random_rows(c.dtype, {t, int64_t(c.num_kv_heads) * c.head_size}, rng).view, device);
+  ctx.begin_step({&md});
+  layer.forward(q.view(), k.view(), v.view());
+  ctx.end_step();
+}
 
 // Inputs, output and metadata are host views; on another `device` the step runs on copies of
 // them there (OnDevice), the values compared on the host.

@@ -47,27 +47,6 @@ AttentionOptions random_options(std::mt19937& rng) {
   return o;
 }
 
-// Writes finite K/V into every slot: one request owning every block.
-void fill_cache(ForwardContext& ctx, Attention& layer, int num_blocks, std::mt19937& rng) {
-  const AttentionConfig& c = layer.config();
-  RequestSpec all;
-  all.num_new_tokens = num_blocks * c.block_size;
-  for (int b = 0; b < num_blocks; ++b) all.block_ids.push_back(b);
-  StepMetadata step = MetadataBuilder(c.block_size).add(all).build();
-  const Device dev = Device::cuda(0);
-  const AttentionMetadata md = step.to_device(dev);
-  const int64_t t = all.num_new_tokens;
-  const Tensor q =
-      Tensor::copy_of(random_rows(c.dtype, {t, c.num_heads * c.head_size}, rng).view, dev);
-  const Tensor k =
-      Tensor::copy_of(random_rows(c.dtype, {t, c.num_kv_heads * c.head_size}, rng).view, dev);
-  const Tensor v =
-      Tensor::copy_of(random_rows(c.dtype, {t, c.num_kv_heads * c.head_size}, rng).view, dev);
-  ctx.begin_step({&md});
-  layer.forward(q.view(), k.view(), v.view());
-  ctx.end_step();
-}
-
 TEST(CudaInputFuzz, EveryDamageIsRefusedOrHarmlessInCheckedMode) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device is visible";
   Registry registry;
@@ -85,33 +64,18 @@ TEST(CudaInputFuzz, EveryDamageIsRefusedOrHarmlessInCheckedMode) {
     Attention layer(ctx, o, registry);
     KVCache cache = KVCache::allocate(layer.config(), r.num_blocks, Device::cuda(0));
     layer.bind_kv_cache({cache.view()});
-    fill_cache(ctx, layer, r.num_blocks, rng);
+    fill_layer_cache(ctx, layer, r.num_blocks, rng, Device::cuda(0));
 
-    MetadataBuilder builder(layer.config().block_size);
-    for (const auto& req : r.requests) builder.add(req);
-    StepMetadata step = builder.build();
-    Metadata m(step);
-    const AttentionConfig& c = layer.config();
-    const int64_t tokens = m.md.num_actual_tokens;
-    const int64_t q_cols = c.num_heads * c.head_size, kv_cols = c.num_kv_heads * c.head_size;
-    const Rows q = random_rows(c.dtype, {tokens, q_cols}, rng);
-    const Rows k = random_rows(c.dtype, {tokens, kv_cols}, rng);
-    const Rows v = random_rows(c.dtype, {tokens, kv_cols}, rng);
-    const Rows out = poisoned_rows(c.dtype, {tokens, q_cols});
-    std::vector<TensorView> inputs = {q.view, k.view, v.view};
-    TensorView output = out.view;
-    const std::string what = damage(
-        m, {{"query", &inputs[0]}, {"key", &inputs[1]}, {"value", &inputs[2]}, {"output", &output}},
-        rng);
-    SCOPED_TRACE("case " + std::to_string(i) + ": " + what);
-    announce(i, what);
+    DamagedLayerStep d(layer.config(), r.requests, rng);
+    SCOPED_TRACE("case " + std::to_string(i) + ": " + d.what);
+    announce(i, d.what);
     tally.count(run_damaged(
-        ctx, m, inputs, output, tokens, what,
+        ctx, d.m, d.inputs, d.output, d.tokens, d.what,
         [&](const std::vector<TensorView>& in, const TensorView& dst) {
           layer.forward(in[0], in[1], in[2], dst);
         },
         Device::cuda(0)));
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "case " << i << ": " << what;
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "case " << i << ": " << d.what;
   }
   tally.print("cuda fuzz");
   EXPECT_GT(tally.ran, kCases / 20);

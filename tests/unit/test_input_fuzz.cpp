@@ -58,23 +58,6 @@ Scenario random_scenario(std::mt19937& rng, const std::string& backend) {
   return s;
 }
 
-// Writes finite K/V into every slot of the layer's cache: one request owning every block.
-void fill_cache(ForwardContext& ctx, Attention& layer, int num_blocks, std::mt19937& rng) {
-  const AttentionConfig& c = layer.config();
-  RequestSpec all;
-  all.num_new_tokens = num_blocks * c.block_size;
-  for (int b = 0; b < num_blocks; ++b) all.block_ids.push_back(b);
-  StepMetadata step = MetadataBuilder(c.block_size).add(all).build();
-  AttentionMetadata md = step.view();
-  const int64_t t = all.num_new_tokens;
-  const Rows q = random_rows(c.dtype, {t, c.num_heads * c.head_size}, rng);
-  const Rows k = random_rows(c.dtype, {t, c.num_kv_heads * c.head_size}, rng);
-  const Rows v = random_rows(c.dtype, {t, c.num_kv_heads * c.head_size}, rng);
-  ctx.begin_step({&md});
-  layer.forward(q.view, k.view, v.view);
-  ctx.end_step();
-}
-
 class InputFuzz : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(InputFuzz, EveryDamageIsRefusedOrHarmless) {
@@ -92,29 +75,13 @@ TEST_P(InputFuzz, EveryDamageIsRefusedOrHarmless) {
     if (cached) {
       cache = KVCache::allocate(layer.config(), s.step.num_blocks);
       layer.bind_kv_cache({cache.view()});
-      fill_cache(ctx, layer, s.step.num_blocks, rng);
+      fill_layer_cache(ctx, layer, s.step.num_blocks, rng);
     }
 
-    MetadataBuilder builder(layer.config().block_size);
-    builder.causal(cached);
-    for (const auto& r : s.step.requests) builder.add(r);
-    StepMetadata step = builder.build();
-    Metadata m(step);
-    const AttentionConfig& c = layer.config();
-    const int64_t tokens = m.md.num_actual_tokens;
-    const int64_t q_cols = c.num_heads * c.head_size, kv_cols = c.num_kv_heads * c.head_size;
-    const Rows q = random_rows(c.dtype, {tokens, q_cols}, rng);
-    const Rows k = random_rows(c.dtype, {tokens, kv_cols}, rng);
-    const Rows v = random_rows(c.dtype, {tokens, kv_cols}, rng);
-    const Rows out = poisoned_rows(c.dtype, {tokens, q_cols});
-    std::vector<TensorView> inputs = {q.view, k.view, v.view};
-    TensorView output = out.view;
-    const std::string what = damage(
-        m, {{"query", &inputs[0]}, {"key", &inputs[1]}, {"value", &inputs[2]}, {"output", &output}},
-        rng);
-    SCOPED_TRACE("case " + std::to_string(i) + " (" + backend + "): " + what);
-    announce(i, what);
-    tally.count(run_damaged(ctx, m, inputs, output, tokens, what,
+    DamagedLayerStep d(layer.config(), s.step.requests, rng);
+    SCOPED_TRACE("case " + std::to_string(i) + " (" + backend + "): " + d.what);
+    announce(i, d.what);
+    tally.count(run_damaged(ctx, d.m, d.inputs, d.output, d.tokens, d.what,
                             [&](const std::vector<TensorView>& in, const TensorView& dst) {
                               layer.forward(in[0], in[1], in[2], dst);
                             }));
