@@ -1,6 +1,7 @@
 #include "pagedattn/metadata.h"
 
 #include <algorithm>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "pagedattn/error.h"
@@ -241,11 +242,16 @@ void validate_metadata(const AttentionMetadata& m, AttentionType attn_type,
     return static_cast<const int64_t*>(slots.data)[t * slots.stride(0)];
   };
   int r = 0;
+  // Two tokens written to one slot race on a GPU (which one lands is undefined).
+  std::unordered_map<int64_t, int64_t> writer;
   for (int64_t t = 0; t < num_slots; ++t) {
     const int64_t slot = slot_at(t);
     if (slot == -1) continue;
     require(slot >= 0 && slot < capacity, "metadata.slot_mapping[", t, "] (", slot,
             ") is outside the cache's slots [0, ", capacity, ") and not -1");
+    const auto [it, first] = writer.emplace(slot, t);
+    require(first, "metadata.slot_mapping[", t, "] (", slot, ") repeats slot_mapping[", it->second,
+            "]: two tokens would write one slot");
     const int64_t block = slot / cache.block_size;
     if (!decoder) {
       require(all_used.count(block) > 0, "metadata.slot_mapping[", t, "] (", slot,

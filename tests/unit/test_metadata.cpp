@@ -120,6 +120,12 @@ TEST_F(MetadataValidation, SlotsInsideTheCache) {
   step_.slot_mapping[3] = -2;
   expect_error("metadata.slot_mapping[3] (-2) is outside");
 }
+TEST_F(MetadataValidation, NoTwoTokensWriteOneSlot) {
+  step_.slot_mapping[2] = step_.slot_mapping[1];  // request 1's first two tokens, one slot
+  const std::string want = "metadata.slot_mapping[2] (" + std::to_string(step_.slot_mapping[1]) +
+                           ") repeats slot_mapping[1]: two tokens would write one slot";
+  expect_error(want.c_str());
+}
 TEST_F(MetadataValidation, SlotsInsideTheirOwnRequestsBlocks) {
   step_.slot_mapping[0] = 80;  // request 0 (blocks {7}) writing into request 2's block 5
   expect_error(
