@@ -220,8 +220,12 @@ struct Sm90Traits {
   /// and head sizes up to 96 (O in 48 or fewer), whose producer then keeps the work-tile
   /// loop's state without spilling (in 40 it spilled 36-76 bytes; ViT d80, whose cp.async
   /// producer is the busiest, went from 0.88 / 0.86 to 0.92 / 0.90 of the previous kernel
-  /// without the persistent grid [H200, bench/results/2026-12-04-h200-persistent.txt]).
-  static constexpr bool kWideProducer = kFp8Math || kHeadSize <= 96;
+  /// without the persistent grid [H200, bench/results/2026-12-04-h200-persistent.txt]), and
+  /// the fp8-widening d128 instances, whose producer widens in registers (in 40 it spilled 20
+  /// bytes; causal e4m3 d128 4k / 8k / 16k +1.3-1.6% [H200,
+  /// bench/results/2026-12-05-h200-fp8-branches-2d89347.txt]).
+  static constexpr bool kWideProducer =
+      kFp8Math || kHeadSize <= 96 || (kKV == KVKind::kFp8 && kHeadSize <= 128);
   static constexpr int kProducerRegs = kWideProducer ? 56 : 40;
   static constexpr int kConsumerRegs = kWideProducer ? 224 : 232;
 #endif

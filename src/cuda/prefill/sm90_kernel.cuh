@@ -617,13 +617,24 @@ __device__ __forceinline__ void produce_fp8(const DecodeParams& p, unsigned char
   // Chunk i + 1 is loaded before chunk i is widened and stored: ptxas keeps shared loads and
   // stores it cannot tell apart in order, and one chunk at a time left every widening waiting
   // for its load ([ncu, d128 16k] 41% of the producer's samples on the F2FP, short scoreboard).
+#ifdef PAGEDATTN_SM90_FP8_AHEAD  // experiments: chunks loaded ahead of the one widened
+  constexpr int kAhead = PAGEDATTN_SM90_FP8_AHEAD;
+#else
+  constexpr int kAhead = 1;
+#endif
   auto widen_rows = [&](uint32_t raw, uint32_t panels, auto kE5m2) {
     constexpr int kPasses = kBlockN / kRowsPerPass;
-    uint4 next = sm80::lds128(raw);
+    uint4 ring[kAhead + 1];
+#pragma unroll
+    for (int a = 0; a < kAhead && a < kPasses; ++a) {
+      ring[a] = sm80::lds128(raw + a * kRowsPerPass * D);
+    }
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
-      const uint4 codes = next;
-      if (i + 1 < kPasses) next = sm80::lds128(raw + (i + 1) * kRowsPerPass * D);
+      if (i + kAhead < kPasses) {
+        ring[(i + kAhead) % (kAhead + 1)] = sm80::lds128(raw + (i + kAhead) * kRowsPerPass * D);
+      }
+      const uint4 codes = ring[i % (kAhead + 1)];
       uint32_t out[8];
       widen_chunk_f16<decltype(kE5m2)::value>(codes, out);
       sm80::sts128(panels + dst_lo + i * kRowsPerPass * 128,
