@@ -206,7 +206,12 @@ struct Sm90Traits {
   static constexpr int kStages = PAGEDATTN_SM90_STAGES;
 #else
   static constexpr int kBlockN = kHeadSize <= 128 ? 128 : 64;
+#ifdef PAGEDATTN_SM90_STAGES_D64  // experiments: a deeper ring where shared memory allows it
+  static constexpr int kStages =
+      kHeadSize <= 64 && kKV == KVKind::kSame ? PAGEDATTN_SM90_STAGES_D64 : 2;
+#else
   static constexpr int kStages = 2;
+#endif
 #endif
   static constexpr int kSplitAlign = kBlockN;
   static constexpr int kTableSlots = kStages + 1;  ///< the producer's row tables (sm90_kernel)
