@@ -206,12 +206,13 @@ struct Sm90Traits {
   static constexpr int kStages = PAGEDATTN_SM90_STAGES;
 #else
   static constexpr int kBlockN = kHeadSize <= 128 ? 128 : 64;
-#ifdef PAGEDATTN_SM90_STAGES_D64  // experiments: a deeper ring where shared memory allows it
+  /// Three stages for the 16-bit d64 instances (89 -> 121 KB of shared memory; [H100,
+  /// 2026-12-05] causal d64 1k-16k +2-3%, ViT d64 within 1%; four were no faster).
+#ifndef PAGEDATTN_SM90_STAGES_D64  // experiments: 2 or 4
+#define PAGEDATTN_SM90_STAGES_D64 3
+#endif
   static constexpr int kStages =
       kHeadSize <= 64 && kKV == KVKind::kSame ? PAGEDATTN_SM90_STAGES_D64 : 2;
-#else
-  static constexpr int kStages = 2;
-#endif
 #endif
   static constexpr int kSplitAlign = kBlockN;
   static constexpr int kTableSlots = kStages + 1;  ///< the producer's row tables (sm90_kernel)

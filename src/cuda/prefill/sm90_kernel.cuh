@@ -614,13 +614,15 @@ __device__ __forceinline__ void produce_fp8(const DecodeParams& p, unsigned char
   const uint32_t raw_at = raw0 + r0 * D;
   const uint32_t dst_lo = panel_at + r0 * 128 + (((c16 & 7) ^ (r0 & 7)) << 4);
   const uint32_t dst_hi = panel_at + r0 * 128 + ((((c16 + 1) & 7) ^ (r0 & 7)) << 4);
-  // Chunk i + 1 is loaded before chunk i is widened and stored: ptxas keeps shared loads and
-  // stores it cannot tell apart in order, and one chunk at a time left every widening waiting
-  // for its load ([ncu, d128 16k] 41% of the producer's samples on the F2FP, short scoreboard).
+  // Chunks i + 1 .. i + kAhead are loaded before chunk i is widened and stored: ptxas keeps
+  // shared loads and stores it cannot tell apart in order, and one chunk at a time left every
+  // widening waiting for its load ([ncu, d128 16k] 41% of the producer's samples on the F2FP,
+  // short scoreboard). Two ahead since the producer has 56 registers ([H100, 2026-12-05] fp8
+  // e4m3 d128 causal 4k-16k +0.5-1.5% over one).
 #ifdef PAGEDATTN_SM90_FP8_AHEAD  // experiments: chunks loaded ahead of the one widened
   constexpr int kAhead = PAGEDATTN_SM90_FP8_AHEAD;
 #else
-  constexpr int kAhead = 1;
+  constexpr int kAhead = 2;
 #endif
   auto widen_rows = [&](uint32_t raw, uint32_t panels, auto kE5m2) {
     constexpr int kPasses = kBlockN / kRowsPerPass;
