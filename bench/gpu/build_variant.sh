@@ -2,7 +2,8 @@
 # A variant of a few kernel instances for an A/B run on the H200 without a second full build:
 # each named instance recompiled with extra defines (experiment macros such as
 # PAGEDATTN_SM90_STAGES_D64 or PAGEDATTN_SM90_FP8_AHEAD), swapped into a copy of the build's
-# libpagedattn.a, and bench_prefill and backend_ops relinked against it into build/ab/NAME/.
+# libpagedattn.a, and the binaries in TARGETS (default bench_prefill and backend_ops) relinked
+# against it into build/ab/NAME/.
 #
 #   bash bench/gpu/build_variant.sh d64s4 "-DPAGEDATTN_SM90_STAGES_D64=4" prefill_sm90_bf16_same_d64.cu
 #
@@ -39,11 +40,12 @@ PY
   grep -E "registers|spill" "$obj.ptxas" | sort | uniq -c
   (cd "$work" && ar r libpagedattn.a "$src.o")
 done
-for target in bench/gpu/bench_prefill tests/backend_ops; do
+targets="${TARGETS:-bench/gpu/bench_prefill tests/backend_ops}"
+for target in $targets; do
   link="$(ninja -t commands "$target" | tail -1)"
   link="${link//src\/libpagedattn.a/$work/libpagedattn.a}"
   rest="${link##* -o }"
   eval "${link% -o *} -o $out/$target ${rest#* }"
   strip "$out/$target"
 done
-ls -la "$out/tests/backend_ops" "$out/bench/gpu/bench_prefill"
+for target in $targets; do ls -la "$out/$target"; done
