@@ -18,19 +18,12 @@ summary="$OUT/summary.txt"
 ncu="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
 say() { echo "$*" | tee -a "$summary"; }
 
-# 1. name, --only filter: full sections on the 4th decode_kernel launch.
+# 1. name, --only filter: full sections on the 4th decode_kernel launch (ncu_full.sh).
 profile_full() {
   local name="$1" only="$2"
   say "== ncu full $name ($only)"
-  timeout 120 "$ncu" --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 \
-    --set full --import-source no -f -o "$W/ncu_$name" \
-    "$bench" --out /dev/null --only "$only" >"$W/ncu_${name}_run.log" 2>&1
-  say "ncu rc=$?"
-  "$ncu" -i "$W/ncu_$name.ncu-rep" --page details --print-units base >"$W/ncu_$name.txt" 2>&1
-  "$ncu" -i "$W/ncu_$name.ncu-rep" --page source --csv --print-source sass \
-    >"$W/ncu_${name}_source.csv" 2>&1 || true
-  grep -E "^  [a-z].*decode_kernel|Duration|DRAM Throughput|Issue Slots Busy|Eligible Warps|No Eligible|Registers Per|Warp Cycles Per Issued|L1 Wavefronts Shared Excessive|ALU is" \
-    "$W/ncu_$name.txt" | head -20 | tee -a "$summary"
+  bash bench/gpu/ncu_full.sh decode_kernel "ncu_$name" "$W" "$summary" \
+    "$bench" --out /dev/null --only "$only"
 }
 
 # 2./3. Every kernel of some launches at real clocks: name, then the command.
