@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# A change to the MLA decode kernel, checked and timed in one device call: for every build
+# given, backend_ops --filter mla (the default route, five forced splits, cp.async copies; the
+# float64 reference with poisoned outputs) and compute-sanitizer memcheck, then bench_mla on
+# the points that matter, the builds interleaved point by point for ROUNDS rounds, and a table
+# of each build's best time per point with its ratio to the first build.
+#
+#   OUT=... bash bench/gpu/ab_mla_h200.sh main=build/ab/main new=build/ab/mlap1 [...]
+#
+# Each path holds tests/backend_ops and bench/gpu/bench_mla (build_variant.sh with
+# TARGETS="bench/gpu/bench_mla tests/backend_ops"). POINTS (bench_mla --only labels, comma
+# separated) and ROUNDS (default 2) change the timing part. Writes $OUT/ab_mla.txt and
+# $OUT/ab_mla_logs.tar.gz (few files: the device returns a limited number).
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+OUT="${OUT:-$PWD/build/h200-ab-mla}"
+O="$(mktemp -d)"
+mkdir -p "$OUT"
+S=$(date +%s)
+t() { echo "[$(($(date +%s) - S))s] $*"; }
+POINTS="${POINTS:-h16q1 b64 ctx8192 ,h16q1 b128 ctx16384 ,h16q1-fp8 b64 ctx8192 ,h128q1 b64 ctx4096 ,h128q1 b64 ctx8192 ,h16q4 b64 ctx4096 ,bs16 ,long }"
+ROUNDS="${ROUNDS:-2}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+names=()
+for spec in "$@"; do
+  name="${spec%%=*}" dir="${spec#*=}"
+  names+=("$name")
+  BO="$dir/tests/backend_ops test --device cuda --backend cuda --filter mla"
+  for run in "default" "splits5 PAGEDATTN_CUDA_SPLITS=5" "cp.async PAGEDATTN_CUDA_MLA_COPY=cp.async"; do
+    vars="${run#"${run%% *}"}"  # the run's variables (none for "default")
+    # shellcheck disable=SC2086  # one word each
+    env $vars timeout 120 $BO >"$O/bo_${name}_${run%% *}.log" 2>&1
+    t "$name backend_ops ${run%% *} rc=$?: $(grep -E '^backend' "$O/bo_${name}_${run%% *}.log")"
+    grep -m3 FAIL "$O/bo_${name}_${run%% *}.log"
+  done
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 $BO >"$O/san_$name.log" 2>&1
+  t "$name memcheck rc=$?: $(grep -E '^backend' "$O/san_$name.log"); $(grep 'ERROR SUMMARY' "$O/san_$name.log")"
+done
+for r in $(seq "$ROUNDS"); do
+  IFS=, read -ra pts <<<"$POINTS"
+  for pt in "${pts[@]}"; do
+    for spec in "$@"; do
+      name="${spec%%=*}" dir="${spec#*=}"
+      timeout 120 "$dir/bench/gpu/bench_mla" --out "$O/mla_${name}_r$r.json" --only "$pt" \
+        >"$O/mla_${name}_r${r}_${pt// /_}.log" 2>&1 || t "$name '$pt' rc=$?"
+      sed -n '2,$p' "$O/mla_${name}_r${r}_${pt// /_}.log" | sed "s/^/$name r$r: /"
+    done
+  done
+done
+python3 - "$O" "${names[@]}" <<'PY' | tee "$OUT/ab_mla.txt"
+import glob, re, sys
+from collections import defaultdict
+out, names = sys.argv[1], sys.argv[2:]
+best = defaultdict(dict)  # label -> name -> us
+pat = re.compile(r"^(.*?)\s+([0-9.]+) us\s+([0-9]+) GB/s\s+([0-9.]+) x copy\s+([0-9.]+) TFLOP/s")
+for n in names:
+    for f in glob.glob(f"{out}/mla_{n}_r*_*.log"):
+        for line in open(f):
+            m = pat.match(line)
+            if m:
+                lab, us = m.group(1).strip(), float(m.group(2))
+                best[lab][n] = min(us, best[lab].get(n, 1e30))
+print(f"{'point':44s}" + "".join(f"{n:>12s}" for n in names) + "".join(
+    f"{n + '/' + names[0]:>16s}" for n in names[1:]))
+for lab, d in best.items():
+    base = d.get(names[0])
+    row = "".join(f"{d[n]:10.1f}us" if n in d else f"{'-':>12s}" for n in names)
+    ratio = "".join(f"{base / d[n]:15.3f}x" if base and n in d else f"{'-':>16s}"
+                    for n in names[1:])
+    print(f"{lab:44s}{row}{ratio}")
+print("(best of the rounds; ratio = first build's time / this build's: above 1 is faster)")
+PY
+tar -czf "$OUT/ab_mla_logs.tar.gz" -C "$O" .
