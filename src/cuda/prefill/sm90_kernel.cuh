@@ -395,8 +395,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     prefill_sm90_kernel(const __grid_constant__ DecodeParams p) {
   constexpr Sm90Layout lay = T::layout();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* const smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // Aligned by an offset from the array, not through an integer, so that pointers into it stay
+  // shared (LDS / STS) rather than generic.
+  unsigned char* const smem = smem_raw + ((1024u - (sm80::smem_addr(smem_raw) & 1023u)) & 1023u);
 
   sm80::grid_dependency_wait();
   sm80::launch_dependent_grids();
