@@ -17,6 +17,6 @@ echo "ncu rc=$?" | tee -a "$log"
 "$ncu" -i "$W/$name.ncu-rep" --page details --print-units base >"$W/$name.details.txt" 2>&1
 "$ncu" -i "$W/$name.ncu-rep" --page raw --csv >"$W/$name.raw.csv" 2>&1
 "$ncu" -i "$W/$name.ncu-rep" --page source --csv --print-source sass >"$W/$name.source.csv" 2>&1
-grep -E "Duration|SM Frequency|Issue Slots Busy|Eligible Warps|No Eligible|Registers Per|Warp Cycles Per Issued|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L2 Hit|Local|spill|Bank|is the highest" \
+grep -E "Duration|SM Frequency|Issue Slots Busy|Eligible Warps|No Eligible|Registers Per|Warp Cycles Per Issued|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L2 Hit|Local|spill|Bank|L1 Wavefronts Shared Excessive|ALU is|is the highest" \
   "$W/$name.details.txt" | head -36 | tee -a "$log"
 python3 "$here/ncu_stalls.py" "$W/$name.raw.csv" "$W/$name.source.csv" | tee -a "$log"
