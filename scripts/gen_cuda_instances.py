@@ -48,9 +48,12 @@ PREFILL_SM90 = [(a, kv, d) for a in ["f16", "bf16"] for kv in ["same", "fp8"]
 # (k steps of 32 bytes: head sizes that are multiples of 32 within one 128-byte panel).
 PREFILL_SM90_FP8 = [(a, d) for a in ["f16", "bf16"] for d in [64, 96, 128]]
 # MLA decode (sm_90a wgmma): 16-bit activations over a latent cache of the same type or fp8
-# e4m3, one latent head of 576, S per warpgroup whole ("") or split between the two ("split_s",
-# experimental); its own split combine (576 columns) per activation.
-MLA = [(a, kv, v) for a in ["f16", "bf16"] for kv in ["same", "fp8"] for v in ["", "split_s"]]
+# e4m3, one latent head of 576, the consumer warpgroups' division of a tile ("": redundant S,
+# "split_s", "seesaw": 16-bit caches only, it needs two stages); its own split combine (576
+# columns) per activation.
+MLA = [(a, kv, v) for a in ["f16", "bf16"] for kv in ["same", "fp8"]
+       for v in ["", "split_s", "seesaw"] if not (kv == "fp8" and v == "seesaw")]
+MLA_CONSUMER = {"": "kRedundant", "split_s": "kSplitS", "seesaw": "kSeesaw"}
 MLA_COMBINE = ["f16", "bf16"]
 
 KV_KIND = {"same": "kSame", "fp8": "kFp8", "any": "kAny"}
@@ -130,10 +133,10 @@ def family_files():
 
     inc = [HEADER]
     for a, kv, v in MLA:
-        split = "true" if v else "false"
+        split = f"Consumer::{MLA_CONSUMER[v]}"
         files[CUDA / "mla" / "inst" / f"mla_{a}_{kv}{'_' + v if v else ''}.cu"] = instance_file(
             "mla", "kernel.cuh", f"MlaOps<Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {split}>>")
-        inc.append(f"PAGEDATTN_MLA_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {split})\n")
+        inc.append(f"PAGEDATTN_MLA_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {MLA_CONSUMER[v]})\n")
     for a in MLA_COMBINE:
         files[CUDA / "mla" / "inst" / f"mla_combine_{a}.cu"] = instance_file(
             "mla", "combine.cuh", f"MlaCombineOps<DType::{DTYPE[a]}>")

@@ -6,7 +6,10 @@
 # of each build's best time per point with its ratio to the first build.
 #
 #   OUT=... bash bench/gpu/ab_mla_h200.sh main=build/ab/main new=build/ab/mlap1 [...]
+#   OUT=... bash bench/gpu/ab_mla_h200.sh split=build/ab/new seesaw=build/ab/new@PAGEDATTN_CUDA_MLA=seesaw
 #
+# A build's path may carry @VAR=value suffixes: variables that every run of that build gets
+# (two routes of one binary compared as two builds).
 # Each path holds tests/backend_ops and bench/gpu/bench_mla (build_variant.sh with
 # TARGETS="bench/gpu/bench_mla tests/backend_ops"). POINTS (bench_mla --only labels, comma
 # separated) and ROUNDS (default 2) change the timing part; CHECK=0 skips the checks (about 50 s
@@ -23,27 +26,37 @@ POINTS="${POINTS:-h16q1 b64 ctx8192 ,h16q1 b128 ctx16384 ,h16q1-fp8 b64 ctx8192 
 ROUNDS="${ROUNDS:-2}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 names=()
+# name=dir[@VAR=value...] -> name, dir and the build's variables (space separated).
+split_spec() {
+  name="${1%%=*}"
+  local rest="${1#*=}"
+  dir="${rest%%@*}"
+  benv="${rest#"$dir"}"
+  benv="${benv//@/ }"
+}
 for spec in "$@"; do
-  name="${spec%%=*}" dir="${spec#*=}"
+  split_spec "$spec"
   names+=("$name")
   [ "${CHECK:-1}" = 0 ] && continue
   BO="$dir/tests/backend_ops test --device cuda --backend cuda --filter mla"
   for run in "default" "splits5 PAGEDATTN_CUDA_SPLITS=5" "cp.async PAGEDATTN_CUDA_MLA_COPY=cp.async"; do
     vars="${run#"${run%% *}"}"  # the run's variables (none for "default")
     # shellcheck disable=SC2086  # one word each
-    env $vars timeout 120 $BO >"$O/bo_${name}_${run%% *}.log" 2>&1
+    env $benv $vars timeout 120 $BO >"$O/bo_${name}_${run%% *}.log" 2>&1
     t "$name backend_ops ${run%% *} rc=$?: $(grep -E '^backend' "$O/bo_${name}_${run%% *}.log")"
     grep -m3 FAIL "$O/bo_${name}_${run%% *}.log"
   done
-  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 $BO >"$O/san_$name.log" 2>&1
+  # shellcheck disable=SC2086  # one word each
+  env $benv timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 $BO >"$O/san_$name.log" 2>&1
   t "$name memcheck rc=$?: $(grep -E '^backend' "$O/san_$name.log"); $(grep 'ERROR SUMMARY' "$O/san_$name.log")"
 done
 for r in $(seq "$ROUNDS"); do
   IFS=, read -ra pts <<<"$POINTS"
   for pt in "${pts[@]}"; do
     for spec in "$@"; do
-      name="${spec%%=*}" dir="${spec#*=}"
-      timeout 120 "$dir/bench/gpu/bench_mla" --out "$O/mla_${name}_r$r.json" --only "$pt" \
+      split_spec "$spec"
+      # shellcheck disable=SC2086  # one word each
+      env $benv timeout 120 "$dir/bench/gpu/bench_mla" --out "$O/mla_${name}_r$r.json" --only "$pt" \
         >"$O/mla_${name}_r${r}_${pt// /_}.log" 2>&1 || t "$name '$pt' rc=$?"
       sed -n '2,$p' "$O/mla_${name}_r${r}_${pt// /_}.log" | sed "s/^/$name r$r: /"
     done

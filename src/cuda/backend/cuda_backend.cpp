@@ -92,9 +92,12 @@ BackendOptions backend_options_from_env() {
   }
   if (const char* s = std::getenv(kMlaEnvVar); s && *s) {
     const std::string v(s);
-    require(v == "redundant" || v == "split-s", kMlaEnvVar, " ('", v,
-            "') must be redundant or split-s");
-    o.mla_split_s = v == "split-s";
+    require(v == "auto" || v == "redundant" || v == "split-s" || v == "seesaw", kMlaEnvVar, " ('",
+            v, "') must be auto, redundant, split-s or seesaw");
+    o.mla_consumer = v == "redundant" ? mla::Consumer::kRedundant
+                     : v == "split-s" ? mla::Consumer::kSplitS
+                     : v == "seesaw"  ? mla::Consumer::kSeesaw
+                                      : mla::Consumer::kAuto;
   }
   if (const char* s = std::getenv(kMlaCopyEnvVar); s && *s) {
     const std::string v(s);
@@ -222,7 +225,7 @@ class CudaBackend final : public Backend {
     std::unique_ptr<CudaPlan> plan;
     const mla::MlaKernel* mla_kernel =
         is_mla_shape(config) && mla_reasons(config).empty()
-            ? mla::find_mla(config.dtype, cache, options_.mla_split_s)
+            ? mla::find_mla(config.dtype, cache, options_.mla_consumer)
             : nullptr;
     if (mla_kernel != nullptr && device < visible_device_count()) {
       // Every request's rows on CTAs of mla::kBlockM (route_rows 0: the "prefill" row count).

@@ -5,6 +5,7 @@
 #include <climits>
 #include <memory>
 
+#include "cuda/mla/config.h"
 #include "pagedattn/backend.h"
 
 namespace pagedattn::cuda {
@@ -25,8 +26,10 @@ inline constexpr const char* kPrefillKernelEnvVar = "PAGEDATTN_CUDA_PREFILL_KERN
 /// lane); tests and comparisons run all.
 inline constexpr const char* kDecodeCopyEnvVar = "PAGEDATTN_CUDA_DECODE_COPY";
 /// Environment variable that picks the MLA kernel variant (head size 576): split-s (default: S
-/// split between the consumer warpgroups, P shared through smem; 1.2-1.4x faster on the H200)
-/// or redundant (both warpgroups compute the whole S; kept as a comparison).
+/// split between the consumer warpgroups, P shared through smem; 1.2-1.4x faster on the H200
+/// than redundant), redundant (both warpgroups compute the whole S; kept as a comparison),
+/// seesaw (each warpgroup owns alternate tiles and half of O; 16-bit caches only) or auto
+/// (mla::default_consumer() per cache kind).
 inline constexpr const char* kMlaEnvVar = "PAGEDATTN_CUDA_MLA";
 /// Environment variable for how the MLA kernel brings the full tiles of a 16-bit latent cache:
 /// auto (TMA when the block size is a multiple of 64: one box per panel; measured on the H200
@@ -121,9 +124,9 @@ struct BackendOptions {
   PrefillRoute prefill = PrefillRoute::kAuto;
   bool portable_prefill = false;               ///< the mma.sync prefill kernel even on Hopper
   DecodeCopy decode_copy = DecodeCopy::kAuto;  ///< how decode brings K/V rows into smem
-  bool mla_split_s = true;                     ///< the MLA variant (kMlaEnvVar)
-  MlaCopy mla_copy = MlaCopy::kAuto;           ///< the MLA kernel's tile copies (kMlaCopyEnvVar)
-  bool fp8_math = true;                        ///< query_quant: fp8 products (kFp8MathEnvVar)
+  mla::Consumer mla_consumer = mla::Consumer::kAuto;  ///< the MLA variant (kMlaEnvVar)
+  MlaCopy mla_copy = MlaCopy::kAuto;  ///< the MLA kernel's tile copies (kMlaCopyEnvVar)
+  bool fp8_math = true;               ///< query_quant: fp8 products (kFp8MathEnvVar)
   bool prefill_tma =
       true;  ///< Hopper prefill: full tiles by TMA where possible (kPrefillCopyEnvVar)
   /// Hopper prefill: CTAs with at least this many tiles run the pingpong (kPingpongEnvVar;

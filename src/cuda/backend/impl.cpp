@@ -89,10 +89,12 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
       for (const std::string& r : reasons) all += (all.empty() ? "" : "; ") + r;
       fail<NotSupported>("cuda backend: ", all);
     }
-    mla_ = mla::find_mla(config.dtype, cache_dtype_, options.mla_split_s);
-    require<NotSupported>(mla_ != nullptr, "cuda backend: the ",
-                          options.mla_split_s ? "split-s " : "", "MLA kernel is not compiled for ",
-                          dtype_name(config.dtype), " over ", dtype_name(cache_dtype_));
+    mla_ = mla::find_mla(config.dtype, cache_dtype_, options.mla_consumer);
+    require<NotSupported>(
+        mla_ != nullptr, "cuda backend: the MLA kernel (", kMlaEnvVar, "=",
+        mla::consumer_name(options.mla_consumer), ") is not compiled for ",
+        dtype_name(config.dtype), " over ", dtype_name(cache_dtype_),
+        options.mla_consumer == mla::Consumer::kSeesaw ? " (the seesaw needs a 16-bit cache)" : "");
     if (device_props(device.index).cc_major >= 9 && options.mla_copy != MlaCopy::kCpAsync) {
       mla_tma_rows_ = options.mla_copy == MlaCopy::kTma ? 16 : 64;
     }

@@ -12,6 +12,14 @@ namespace pagedattn::cuda::mla {
 /// activation type in shared memory by the producer; k_scale folded into the logit scale).
 enum class KVKind : uint8_t { kSame, kFp8 };
 
+/// How the two consumer warpgroups share a tile's work (kernel.cuh's map has the details).
+///   kRedundant: both compute the whole S and softmax (a comparison);
+///   kSplitS: each computes S for half of the keys, P goes through shared memory;
+///   kSeesaw: each owns alternate tiles (whole S, softmax, P to shared memory) and half of O;
+///     16-bit caches only (it needs two stages);
+///   kAuto: what find_mla() picks for the cache kind (never a Traits parameter).
+enum class Consumer : uint8_t { kAuto, kRedundant, kSplitS, kSeesaw };
+
 /// The one latent head: kv_lora_rank 512 (kv_c, also the value) + qk_rope_head_dim 64 (k_pe).
 inline constexpr int kEntry = 576;
 /// 128-byte swizzled panels of 64 16-bit columns: 9 per entry, the first 8 hold kv_c.
@@ -37,8 +45,8 @@ struct Layout {
   int raw_offset = 0;  ///< fp8 only: [2][64 keys][576] bytes as copied (natural order)
   int raw_bytes = 0;
   int table_offset = 0;  ///< [2][64] int64 byte offsets of a tile's rows (producer)
-  int p_offset = 0;      ///< split-S only: P [64 rows][64 keys] 16-bit, one swizzled panel
-  int xchg_offset = 0;   ///< split-S only: [2 warpgroups][64 rows] float row maxima / sums
+  int p_offset = 0;      ///< split-S, seesaw: P [64 rows][64 keys] 16-bit, one swizzled panel
+  int xchg_offset = 0;   ///< split-S, seesaw: [2 warpgroups][64 rows] float row maxima / sums
   int bar_offset = 0;    ///< mbarriers: q_full, full[stages], empty[stages]
   int total = 0;         ///< including 1024 bytes to align the dynamic base
 };
@@ -50,7 +58,8 @@ constexpr int stages_for(KVKind kv) {
   return kv == KVKind::kSame ? 2 : 1;
 }
 
-constexpr Layout layout_for(KVKind kv, bool split_s) {
+constexpr Layout layout_for(KVKind kv, Consumer c) {
+  const bool shares_p = c != Consumer::kRedundant;
   Layout s;
   s.q_offset = 0;
   s.stage_offset = kPanels * s.q_panel;
@@ -59,24 +68,27 @@ constexpr Layout layout_for(KVKind kv, bool split_s) {
   s.raw_bytes = kv == KVKind::kFp8 ? kBlockN * kEntry : 0;
   // P stays 1024-aligned: 2 raw tiles or 2 stages leave the running offset a multiple of 8 KB.
   s.p_offset = s.raw_offset + 2 * s.raw_bytes;
-  s.table_offset = s.p_offset + (split_s ? kBlockM * 128 : 0);
+  s.table_offset = s.p_offset + (shares_p ? kBlockM * 128 : 0);
   s.xchg_offset = s.table_offset + 2 * kBlockN * 8;
-  s.bar_offset = s.xchg_offset + (split_s ? 2 * kBlockM * 4 : 0);
+  s.bar_offset = s.xchg_offset + (shares_p ? 2 * kBlockM * 4 : 0);
   s.total = s.bar_offset + (1 + 2 * stages_for(kv)) * 8 + 1024;
   return s;
 }
 
-/// One compiled MLA kernel. kSplitS true (the default route, measured faster on the H200: h16
-/// 0.78 vs 0.57 of the copy rate, h128 377 vs 287 TFLOP/s): each consumer warpgroup computes S
-/// for 32 of the 64 keys, the row maxima and P go through shared memory, and both run P V over
-/// the whole tile from there, so S is computed once (FlashMLA's division). false
-/// (PAGEDATTN_CUDA_MLA=redundant): both compute the whole S of a tile.
-template <DType kAct, KVKind kKV, bool kSplitS>
+/// One compiled MLA kernel. kC = kSplitS (the default route, measured faster on the H200 than
+/// kRedundant: h16 0.78 vs 0.57 of the copy rate, h128 377 vs 287 TFLOP/s): each consumer
+/// warpgroup computes S for 32 of the 64 keys, the row maxima and P go through shared memory,
+/// and both run P V over the whole tile from there, so S is computed once (FlashMLA's
+/// division). kRedundant (PAGEDATTN_CUDA_MLA=redundant): both compute the whole S of a tile.
+/// kSeesaw (PAGEDATTN_CUDA_MLA=seesaw): FlashMLA's schedule, see kernel.cuh.
+template <DType kAct, KVKind kKV, Consumer kC>
 struct Traits {
   static constexpr DType act = kAct;
   static constexpr KVKind kv = kKV;
-  static constexpr bool split_s = kSplitS;
+  static constexpr Consumer consumer = kC;
   static_assert(kAct == DType::kF16 || kAct == DType::kBF16);
+  static_assert(kC != Consumer::kAuto, "find_mla() resolves kAuto");
+  static_assert(kC != Consumer::kSeesaw || kKV == KVKind::kSame, "the seesaw needs two stages");
   static constexpr int kStages = stages_for(kKV);
   static constexpr int kCacheBytes = kKV == KVKind::kSame ? 2 : 1;
   /// Warpgroup 0 produces; warpgroups 1 and 2 each compute the same S and softmax and
@@ -86,7 +98,7 @@ struct Traits {
   /// setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 <= 65536 registers.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
-  static constexpr Layout layout() { return layout_for(kKV, kSplitS); }
+  static constexpr Layout layout() { return layout_for(kKV, kC); }
   static_assert(layout().total <= kMaxSmemPerCta);
   static_assert(layout().p_offset % 1024 == 0, "P is a swizzled wgmma operand");
 };

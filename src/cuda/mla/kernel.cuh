@@ -35,6 +35,17 @@
 //             from shared memory (wgmma SS) over all 64 keys for their columns: S once per
 //             tile instead of twice. Row sums stay per warpgroup (same maxima, same
 //             rescaling) and are added at the end.
+//   seesaw    (Traits::consumer kSeesaw, 16-bit caches; PAGEDATTN_CUDA_MLA=seesaw; FlashMLA's
+//             schedule) warpgroup c owns the tiles j = c (mod 2): it computes their whole S
+//             (m64n64k16 SS, not smem-bound as split-S's n32 is) and softmax and writes P_j to
+//             the P panel; it owns O's kv_c columns 256 c .. and k_pe columns 512 + 32 c ..
+//             for every tile: O += P_j V_j from registers (RS) for its own tiles, from the
+//             panel (SS) for the other's. Only the running row maxima are a serial chain
+//             through both warpgroups; one warpgroup's softmax runs under the other's
+//             products. Handoffs on named barriers 3 + c (m_j in xchg[c]) and 5 + c (P_j in
+//             the panel), each arrived by the owner and synced by the other once per tile, in
+//             strict alternation (the chain orders them); one P panel suffices because the
+//             reader of P_j is the writer of P_{j+1}.
 //   sync      mbarriers through CCCL's cuda::ptx: full[s] (128 producer arrivals), empty[s]
 //             (256 consumer arrivals); phases flip every kStages tiles. Consumers fence the
 //             async proxy after a `full` wait, before their wgmmas read what the generic proxy
@@ -51,6 +62,7 @@
 
 #include <atomic>
 #include <cuda/ptx>
+#include <type_traits>
 
 #include "cuda/arch/sm80/ptx.cuh"
 #include "cuda/arch/sm90/wgmma.cuh"
@@ -123,11 +135,17 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
                                                 int n_tiles);
 
 template <class T>
+__device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w,
+                                               unsigned char* smem, Barriers<T::kStages> bars,
+                                               int n_tiles);
+
+template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_constant__ MlaParams p) {
   constexpr Layout lay = T::layout();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* const smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // An offset from the extern array keeps pointers into it in the shared space (through
+  // uintptr_t, accesses compile to generic LD.E / ST.E).
+  unsigned char* const smem = smem_raw + ((1024u - (sm80::smem_addr(smem_raw) & 1023u)) & 1023u);
 
   // Metadata, Q and the cache may come from the previous kernels of the stream (programmatic
   // dependent launch).
@@ -151,8 +169,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_consta
   // One branch per role, as setmaxnreg requires.
   if (threadIdx.x < 128) {
     produce<T>(p, w, smem, bars, n_tiles);
-  } else if constexpr (T::split_s) {
+  } else if constexpr (T::consumer == Consumer::kSplitS) {
     consume_split_s<T>(p, w, smem, bars, n_tiles);
+  } else if constexpr (T::consumer == Consumer::kSeesaw) {
+    consume_seesaw<T>(p, w, smem, bars, n_tiles);
   } else {
     consume<T>(p, w, smem, bars, n_tiles);
   }
@@ -761,6 +781,254 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
   l[0] += lx[((1 - cw) * 128 + ct) * 2];
   l[1] += lx[((1 - cw) * 128 + ct) * 2 + 1];
   store_rows<T>(p, w, o, o_pe, m, l, row_a, t4, cw);
+}
+
+// The seesaw (see the map): warpgroup cw owns tiles j = cw (mod 2) and O's columns 256 cw ..,
+// 512 + 32 cw ... O and the row sums l (own tiles only) are kept at the row maxima m_ref they
+// were last moved to; both warpgroups end at the chain's last maxima, so the sums add.
+template <class T>
+__device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w,
+                                               unsigned char* smem, Barriers<T::kStages> bars,
+                                               int n_tiles) {
+  constexpr int kSn = kBlockN / 8, kPe = 4;
+  constexpr bool kBF16 = T::act == DType::kBF16;
+  constexpr Layout lay = T::layout();
+  constexpr int kBarConsumers = 2, kBarMax = 3, kBarP = 5;  // + the owner warpgroup
+  static_assert(T::kStages == 2, "tile j lives in stage j % 2 and is owned by warpgroup j % 2");
+  sm90::setmaxnreg_inc<T::kConsumerRegs>();
+  // Broadcast from lane 0 so that ptxas sees a warp-uniform value: the wgmma groups under
+  // conditions on it would otherwise be serialised.
+  const int cw = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128 - 1, 0);
+  const int ct = int(threadIdx.x) % 128;
+  const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
+  const int row_a = 16 * warp + g;
+
+  int hi[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_a + 8 * h;
+    hi[h] = row < w.num_rows ? min(w.kv_len - w.q_len + (w.row0 + row) / p.num_heads + 1, w.kv_end)
+                             : w.kv_end;
+  }
+  const int mask_from = min(w.kv_len - w.q_len + w.row0 / p.num_heads + 1, w.kv_end);
+
+  float o[32][4];      // kv_c columns 256 cw + 8 i + 2 t4 + {0, 1}, rows row_a, row_a + 8
+  float o_pe[kPe][4];  // k_pe columns 512 + 32 cw + 8 i + ...
+#pragma unroll
+  for (int i = 0; i < 32; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPe; ++i) o_pe[i][0] = o_pe[i][1] = o_pe[i][2] = o_pe[i][3] = 0.0f;
+  float m_ref[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  uint32_t pa[kBlockN / 16][4];  // P of the own tile whose P V (RS) may be in flight
+
+  float* const xchg = reinterpret_cast<float*>(smem + lay.xchg_offset);  // [2][64] maxima
+  unsigned char* const p_tile = smem + lay.p_offset;                     // [64 rows][64 keys]
+  const uint32_t p_base = sm80::smem_addr(p_tile);
+  const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset);
+  const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
+  auto stage_of = [&](int j) { return stage0 + uint32_t(j & 1) * lay.stage_bytes; };
+
+  auto fence_o = [&] {
+    sm90::fence_operands(o);
+    sm90::fence_operands(o_pe);
+  };
+  // pa stays allocated until the RS wgmma reading it has completed (waited before this).
+  auto keep_pa = [&] {
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(pa[kk][i])::"memory");
+    }
+  };
+  // S = Q K^T of tile j (whole 64 keys; Q's descriptors opaque, as in consume()).
+  auto issue_s = [&](float(&sacc)[kSn][4], int j) {
+    const uint32_t k_base = stage_of(j);
+    uint32_t q_at = q_base;
+    asm volatile("" : "+r"(q_at));
+    sm90::fence_operands(sacc);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kEntry / 16; ++ks) {
+      const uint64_t da =
+          sm90::sw128_desc(q_at + (ks >> 2) * lay.q_panel + (ks & 3) * 32, 16, 1024);
+      const uint64_t db =
+          sm90::sw128_desc(k_base + (ks >> 2) * lay.kv_panel + (ks & 3) * 32, 16, 1024);
+      sm90::Wgmma<kBlockN, kBF16>::template ss<0>(sacc, da, db, ks > 0);
+    }
+    sm90::wgmma_commit();
+  };
+  // O += P_j V_j over this warpgroup's columns: V MN-major (16 keys are +2048 B), the k_pe
+  // half 32 columns (64 B) into panel 8. P from registers (own tile) or the panel (other's).
+  auto issue_pv = [&](int j, auto from_regs) {
+    const uint32_t v_base = stage_of(j) + 4 * cw * lay.kv_panel;
+    const uint32_t pe_base = stage_of(j) + 8 * lay.kv_panel + 64 * cw;
+    fence_o();
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t dv = sm90::sw128_desc(v_base + kk * 2048, lay.kv_panel, 1024);
+      const uint64_t dpe = sm90::sw128_desc(pe_base + kk * 2048, lay.kv_panel, 1024);
+      if constexpr (decltype(from_regs)::value) {
+        sm90::Wgmma<256, kBF16>::template rs<1>(o, pa[kk], dv, 1);
+        sm90::Wgmma<kPe * 8, kBF16>::template rs<1>(o_pe, pa[kk], dpe, 1);
+      } else {
+        const uint64_t dp = sm90::sw128_desc(p_base + kk * 32, 16, 1024);
+        sm90::Wgmma<256, kBF16>::template ss<1>(o, dp, dv, 1);
+        sm90::Wgmma<kPe * 8, kBF16>::template ss<1>(o_pe, dp, dpe, 1);
+      }
+    }
+    sm90::wgmma_commit();
+  };
+  // O and l from m_ref to the maxima m_new (no P V of this warpgroup in flight); warps whose
+  // rows' maxima did not move skip the multiplies.
+  auto move_to = [&](const float(&m_new)[2]) {
+    float sc[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sc[h] = sm80::exp2_approx(m_ref[h] - (m_new[h] == -INFINITY ? 0.0f : m_new[h]));
+      m_ref[h] = m_new[h];
+      l[h] *= sc[h];
+    }
+    if (__any_sync(0xffffffffu, sc[0] != 1.0f || sc[1] != 1.0f)) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        o[i][0] *= sc[0], o[i][1] *= sc[0], o[i][2] *= sc[1], o[i][3] *= sc[1];
+      }
+#pragma unroll
+      for (int i = 0; i < kPe; ++i) {
+        o_pe[i][0] *= sc[0], o_pe[i][1] *= sc[0], o_pe[i][2] *= sc[1], o_pe[i][3] *= sc[1];
+      }
+    }
+  };
+  // The other warpgroup's tile j: its maxima (O moved to them), then its P V from the panel.
+  auto join_other = [&](int j) {
+    sm90::named_barrier_sync(kBarMax + 1 - cw, 256);
+    const float m_j[2] = {xchg[(1 - cw) * kBlockM + row_a], xchg[(1 - cw) * kBlockM + row_a + 8]};
+    move_to(m_j);
+    sm90::named_barrier_sync(kBarP + 1 - cw, 256);
+    issue_pv(j, std::false_type{});
+  };
+  // Own tile j, S done: mask, the chain's new maxima (published at once: the other warpgroup's
+  // next softmax waits on them), P in log2 units, its row sums.
+  auto softmax = [&](float(&sacc)[kSn][4], int j, float(&m_new)[2], float(&sum)[2]) {
+    const int ts = w.kv_begin + j * kBlockN;
+    const float f = p.scale_log2;
+    if (ts + kBlockN > mask_from) {
+#pragma unroll
+      for (int nt = 0; nt < kSn; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int key = ts + nt * 8 + 2 * t4 + (c & 1);
+          if (key >= hi[c >> 1]) sacc[nt][c] = -INFINITY;
+        }
+      }
+    }
+    float base[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < kSn; ++nt) mx = fmaxf(mx, fmaxf(sacc[nt][2 * h], sacc[nt][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      m_new[h] = fmaxf(m_ref[h], mx * f);
+      if (t4 == 0) xchg[cw * kBlockM + row_a + 8 * h] = m_new[h];
+      base[h] = m_new[h] == -INFINITY ? 0.0f : m_new[h];
+      sum[h] = 0.0f;
+    }
+    sm90::named_barrier_arrive(kBarMax + cw, 256);
+#pragma unroll
+    for (int nt = 0; nt < kSn; ++nt) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        sacc[nt][c] = sm80::exp2_approx(fmaf(sacc[nt][c], f, -base[c >> 1]));
+        sum[c >> 1] += sacc[nt][c];
+      }
+    }
+  };
+  // After this warpgroup's last P V read the panel: O to the new maxima, P_j into the panel
+  // for the other warpgroup and into pa for this one's RS P V.
+  auto publish_p = [&](const float(&sacc)[kSn][4], const float(&m_new)[2], const float(&sum)[2]) {
+    move_to(m_new);
+    l[0] += sum[0];
+    l[1] += sum[1];
+#pragma unroll
+    for (int nt = 0; nt < kSn; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        *reinterpret_cast<uint32_t*>(p_tile + sm90::sw128_offset(row_a + 8 * h, nt) + 4 * t4) =
+            pack2<T::act>(sacc[nt][2 * h], sacc[nt][2 * h + 1]);
+      }
+    }
+    ptx::fence_proxy_async(ptx::space_shared);  // generic stores, read next by wgmma
+    sm90::named_barrier_arrive(kBarP + cw, 256);
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      pa[kk][0] = pack2<T::act>(sacc[2 * kk][0], sacc[2 * kk][1]);
+      pa[kk][1] = pack2<T::act>(sacc[2 * kk][2], sacc[2 * kk][3]);
+      pa[kk][2] = pack2<T::act>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
+      pa[kk][3] = pack2<T::act>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
+    }
+  };
+  auto wait_full = [&](int j) {
+    mbar_wait(bars.full(j & 1), uint32_t((j >> 1) & 1));
+    ptx::fence_proxy_async(ptx::space_shared);
+  };
+
+  mbar_wait(bars.q_full(), 0);
+  int j = cw;
+  if (cw == 0 && n_tiles > 0) {  // tile 0: nothing before it joins O
+    wait_full(0);
+    float sacc[kSn][4], m_new[2], sum[2];
+    issue_s(sacc, 0);
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(sacc);
+    softmax(sacc, 0, m_new, sum);
+    publish_p(sacc, m_new, sum);
+    issue_pv(0, std::true_type{});
+    j = 2;
+  }
+  for (; j < n_tiles; j += 2) {
+    // This warpgroup's P V of tile j - 2 done: its stage (tile j's) is released for our part
+    // before tile j is awaited (the producer refills it only when both parts are in).
+    sm90::wgmma_wait<0>();
+    keep_pa();
+    fence_o();
+    if (j >= 2) ptx::mbarrier_arrive(bars.empty(j & 1));
+    wait_full(j);
+    float sacc[kSn][4], m_new[2], sum[2];
+    issue_s(sacc, j);
+    join_other(j - 1);      // runs under S_j
+    sm90::wgmma_wait<1>();  // S_j done; P_{j-1} V still runs
+    sm90::fence_operands(sacc);
+    softmax(sacc, j, m_new, sum);
+    sm90::wgmma_wait<0>();  // P_{j-1} V done: O is at m_{j-1}, the panel is free
+    fence_o();
+    ptx::mbarrier_arrive(bars.empty((j - 1) & 1));
+    publish_p(sacc, m_new, sum);
+    issue_pv(j, std::true_type{});
+  }
+  sm90::wgmma_wait<0>();
+  keep_pa();
+  fence_o();
+  if (j >= 2) ptx::mbarrier_arrive(bars.empty(j & 1));  // the last own tile, j - 2
+  if (n_tiles > 0 && ((n_tiles - 1) & 1) != cw) {       // the last tile is the other's
+    join_other(n_tiles - 1);
+    sm90::wgmma_wait<0>();
+    fence_o();
+    ptx::mbarrier_arrive(bars.empty((n_tiles - 1) & 1));
+  }
+
+  // Row sums of the other warpgroup's tiles (same rows, same final maxima) through the P
+  // panel, free once both are past their last P V.
+  float* const lx = reinterpret_cast<float*>(p_tile);  // [2 warpgroups][128 threads][2]
+  sm90::named_barrier_sync(kBarConsumers, 256);
+  lx[(cw * 128 + ct) * 2] = l[0];
+  lx[(cw * 128 + ct) * 2 + 1] = l[1];
+  sm90::named_barrier_sync(kBarConsumers, 256);
+  l[0] += lx[((1 - cw) * 128 + ct) * 2];
+  l[1] += lx[((1 - cw) * 128 + ct) * 2 + 1];
+  store_rows<T, kPe>(p, w, o, o_pe, m_ref, l, row_a, t4, cw);
 }
 
 // Launches `kernel(p)` with programmatic stream serialization allowed (both MLA kernels open

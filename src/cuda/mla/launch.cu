@@ -6,9 +6,10 @@ namespace pagedattn::cuda::mla {
 
 const std::vector<MlaKernel>& mla_kernels() {
   static const std::vector<MlaKernel> table = {
-#define PAGEDATTN_MLA_INSTANCE(act, kv, split_s)                                              \
-  {DType::act, KVKind::kv, split_s, &MlaOps<Traits<DType::act, KVKind::kv, split_s>>::launch, \
-   &MlaOps<Traits<DType::act, KVKind::kv, split_s>>::ctas_per_sm},
+#define PAGEDATTN_MLA_INSTANCE(act, kv, c)                       \
+  {DType::act, KVKind::kv, Consumer::c,                          \
+   &MlaOps<Traits<DType::act, KVKind::kv, Consumer::c>>::launch, \
+   &MlaOps<Traits<DType::act, KVKind::kv, Consumer::c>>::ctas_per_sm},
 #define PAGEDATTN_MLA_COMBINE_INSTANCE(act)
 #include "cuda/mla/inst/instances.inc"
 #undef PAGEDATTN_MLA_INSTANCE
@@ -19,7 +20,7 @@ const std::vector<MlaKernel>& mla_kernels() {
 
 const std::vector<MlaCombineKernel>& mla_combine_kernels() {
   static const std::vector<MlaCombineKernel> table = {
-#define PAGEDATTN_MLA_INSTANCE(act, kv, split_s)
+#define PAGEDATTN_MLA_INSTANCE(act, kv, c)
 #define PAGEDATTN_MLA_COMBINE_INSTANCE(act) {DType::act, &MlaCombineOps<DType::act>::launch},
 #include "cuda/mla/inst/instances.inc"
 #undef PAGEDATTN_MLA_INSTANCE
@@ -28,7 +29,25 @@ const std::vector<MlaCombineKernel>& mla_combine_kernels() {
   return table;
 }
 
-const MlaKernel* find_mla(DType act, DType cache, bool split_s) {
+const char* consumer_name(Consumer c) {
+  switch (c) {
+    case Consumer::kRedundant:
+      return "redundant";
+    case Consumer::kSplitS:
+      return "split-s";
+    case Consumer::kSeesaw:
+      return "seesaw";
+    case Consumer::kAuto:
+      break;
+  }
+  return "auto";
+}
+
+Consumer default_consumer(KVKind) {
+  return Consumer::kSplitS;
+}
+
+const MlaKernel* find_mla(DType act, DType cache, Consumer consumer) {
   const bool act16 = act == DType::kF16 || act == DType::kBF16;
   if (!act16) return nullptr;
   KVKind kind;
@@ -39,8 +58,9 @@ const MlaKernel* find_mla(DType act, DType cache, bool split_s) {
   } else {
     return nullptr;
   }
+  if (consumer == Consumer::kAuto) consumer = default_consumer(kind);
   for (const MlaKernel& k : mla_kernels())
-    if (k.act == act && k.kv == kind && k.split_s == split_s) return &k;
+    if (k.act == act && k.kv == kind && k.consumer == consumer) return &k;
   return nullptr;
 }
 

@@ -16,7 +16,7 @@ namespace pagedattn::cuda::mla {
 struct MlaKernel {
   DType act;
   KVKind kv;
-  bool split_s;  ///< Traits::split_s (experimental: S split between the consumer warpgroups)
+  Consumer consumer;  ///< Traits::consumer: how the two consumer warpgroups share a tile
   void (*launch)(const MlaParams& params, cudaStream_t stream);
   /// CTAs one SM holds (for the split planner); prepares the shared memory limit first.
   int (*ctas_per_sm)(int device);
@@ -42,10 +42,14 @@ struct MlaCombineOps {
 const std::vector<MlaKernel>& mla_kernels();
 const std::vector<MlaCombineKernel>& mla_combine_kernels();
 
-/// The compiled kernel for activations `act` over a latent cache of `cache` (`split_s`: the
-/// experimental variant), or nullptr (float32 activations, mixed 16-bit types and e5m2 caches
-/// are not compiled).
-const MlaKernel* find_mla(DType act, DType cache, bool split_s = false);
+/// The PAGEDATTN_CUDA_MLA spelling of `c` ("auto", "redundant", "split-s", "seesaw").
+const char* consumer_name(Consumer c);
+/// The consumer division kAuto means for a cache kind (the measured-fastest compiled one).
+Consumer default_consumer(KVKind kv);
+/// The compiled kernel for activations `act` over a latent cache of `cache` with consumer
+/// division `consumer` (kAuto: default_consumer()), or nullptr (float32 activations, mixed
+/// 16-bit types, e5m2 caches and the seesaw over fp8 are not compiled).
+const MlaKernel* find_mla(DType act, DType cache, Consumer consumer = Consumer::kAuto);
 const MlaCombineKernel* find_mla_combine(DType act);
 
 }  // namespace pagedattn::cuda::mla

@@ -2,5 +2,5 @@
 #include "cuda/mla/kernel.cuh"
 
 namespace pagedattn::cuda::mla {
-template struct MlaOps<Traits<DType::kBF16, KVKind::kFp8, true>>;
+template struct MlaOps<Traits<DType::kBF16, KVKind::kFp8, Consumer::kSplitS>>;
 }  // namespace pagedattn::cuda::mla

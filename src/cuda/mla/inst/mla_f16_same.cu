@@ -2,5 +2,5 @@
 #include "cuda/mla/kernel.cuh"
 
 namespace pagedattn::cuda::mla {
-template struct MlaOps<Traits<DType::kF16, KVKind::kSame, false>>;
+template struct MlaOps<Traits<DType::kF16, KVKind::kSame, Consumer::kRedundant>>;
 }  // namespace pagedattn::cuda::mla
