@@ -13,7 +13,8 @@
 # Each path holds tests/backend_ops and bench/gpu/bench_mla (build_variant.sh with
 # TARGETS="bench/gpu/bench_mla tests/backend_ops"). POINTS (bench_mla --only labels, comma
 # separated) and ROUNDS (default 2) change the timing part; CHECK=0 skips the checks (about 50 s
-# per build on an H100: give the call's timeout room for both parts). Writes $OUT/ab_mla.txt and
+# per build on an H100: give the call's timeout room for both parts), CHECK=a,b checks only the
+# builds named a and b. Writes $OUT/ab_mla.txt and
 # $OUT/ab_mla_logs.tar.gz (few files: the device returns a limited number).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -37,7 +38,11 @@ split_spec() {
 for spec in "$@"; do
   split_spec "$spec"
   names+=("$name")
-  [ "${CHECK:-1}" = 0 ] && continue
+  case "${CHECK:-1}" in
+    0) continue ;;
+    1) ;;
+    *) [[ ",$CHECK," == *",$name,"* ]] || continue ;;  # a list: check only the builds named
+  esac
   BO="$dir/tests/backend_ops test --device cuda --backend cuda --filter mla"
   for run in "default" "splits5 PAGEDATTN_CUDA_SPLITS=5" "cp.async PAGEDATTN_CUDA_MLA_COPY=cp.async"; do
     vars="${run#"${run%% *}"}"  # the run's variables (none for "default")

@@ -225,7 +225,7 @@ class CudaBackend final : public Backend {
     std::unique_ptr<CudaPlan> plan;
     const mla::MlaKernel* mla_kernel =
         is_mla_shape(config) && mla_reasons(config).empty()
-            ? mla::find_mla(config.dtype, cache, options_.mla_consumer)
+            ? mla::find_mla(config.dtype, cache, config.num_heads, options_.mla_consumer)
             : nullptr;
     if (mla_kernel != nullptr && device < visible_device_count()) {
       // Every request's rows on CTAs of mla::kBlockM (route_rows 0: the "prefill" row count).

@@ -89,7 +89,7 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
       for (const std::string& r : reasons) all += (all.empty() ? "" : "; ") + r;
       fail<NotSupported>("cuda backend: ", all);
     }
-    mla_ = mla::find_mla(config.dtype, cache_dtype_, options.mla_consumer);
+    mla_ = mla::find_mla(config.dtype, cache_dtype_, config.num_heads, options.mla_consumer);
     require<NotSupported>(
         mla_ != nullptr, "cuda backend: the MLA kernel (", kMlaEnvVar, "=",
         mla::consumer_name(options.mla_consumer), ") is not compiled for ",

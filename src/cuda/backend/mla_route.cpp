@@ -25,7 +25,7 @@ std::vector<std::string> mla_reasons(const AttentionConfig& c) {
   if (c.sliding_window) r.push_back(cat(what, "has no sliding window"));
   if (c.has_sinks()) r.push_back(cat(what, "has no attention sinks"));
   const DType cache = c.cache_dtype();
-  if (mla::find_mla(c.dtype, cache) == nullptr) {
+  if (mla::find_mla(c.dtype, cache, c.num_heads) == nullptr) {
     r.push_back(cat(what,
                     "is compiled for float16 / bfloat16 activations over a cache of the "
                     "same type or fp8 e4m3; got ",

@@ -17,7 +17,7 @@ enum class KVKind : uint8_t { kSame, kFp8 };
 ///   kSplitS: each computes S for half of the keys, P goes through shared memory;
 ///   kSeesaw: each owns alternate tiles (whole S, softmax, P to shared memory) and half of O;
 ///     16-bit caches only (it needs two stages);
-///   kAuto: what find_mla() picks for the cache kind (never a Traits parameter).
+///   kAuto: what find_mla() picks for the cache kind and head count (never a Traits parameter).
 enum class Consumer : uint8_t { kAuto, kRedundant, kSplitS, kSeesaw };
 
 /// The one latent head: kv_lora_rank 512 (kv_c, also the value) + qk_rope_head_dim 64 (k_pe).
@@ -47,7 +47,7 @@ struct Layout {
   int table_offset = 0;  ///< [2][64] int64 byte offsets of a tile's rows (producer)
   int p_offset = 0;      ///< split-S, seesaw: P [64 rows][64 keys] 16-bit, one swizzled panel
   int xchg_offset = 0;   ///< split-S, seesaw: [2 warpgroups][64 rows] float row maxima / sums
-  int bar_offset = 0;    ///< mbarriers: q_full, full[stages], empty[stages]
+  int bar_offset = 0;    ///< mbarriers: q_full, full[stages][halves], empty[stages][halves]
   int total = 0;         ///< including 1024 bytes to align the dynamic base
 };
 
@@ -57,6 +57,15 @@ struct Layout {
 constexpr int stages_for(KVKind kv) {
   return kv == KVKind::kSame ? 2 : 1;
 }
+
+/// A stage's barriers per part: the seesaw frees and refills each half of a stage on its own
+/// (panels 0-3: warpgroup 0's P V; 4-8: warpgroup 1's), so the next tile's first half lands
+/// while the current tile's second half is still read. Everything else: the whole stage.
+constexpr int halves_for(Consumer c) {
+  return c == Consumer::kSeesaw ? 2 : 1;
+}
+/// First panel of the seesaw's second half.
+inline constexpr int kHalfPanel = 4;
 
 constexpr Layout layout_for(KVKind kv, Consumer c) {
   const bool shares_p = c != Consumer::kRedundant;
@@ -71,7 +80,7 @@ constexpr Layout layout_for(KVKind kv, Consumer c) {
   s.table_offset = s.p_offset + (shares_p ? kBlockM * 128 : 0);
   s.xchg_offset = s.table_offset + 2 * kBlockN * 8;
   s.bar_offset = s.xchg_offset + (shares_p ? 2 * kBlockM * 4 : 0);
-  s.total = s.bar_offset + (1 + 2 * stages_for(kv)) * 8 + 1024;
+  s.total = s.bar_offset + (1 + 2 * stages_for(kv) * halves_for(c)) * 8 + 1024;
   return s;
 }
 
@@ -90,6 +99,7 @@ struct Traits {
   static_assert(kC != Consumer::kAuto, "find_mla() resolves kAuto");
   static_assert(kC != Consumer::kSeesaw || kKV == KVKind::kSame, "the seesaw needs two stages");
   static constexpr int kStages = stages_for(kKV);
+  static constexpr int kHalves = halves_for(kC);
   static constexpr int kCacheBytes = kKV == KVKind::kSame ? 2 : 1;
   /// Warpgroup 0 produces; warpgroups 1 and 2 each compute the same S and softmax and
   /// accumulate their own 256 of the 512 kv_c columns, plus (both, redundantly) the 64 k_pe

@@ -28,7 +28,8 @@
 //             the 512 kv_c columns (wgmma RS, m64n256k16, V MN-major = panels 4 cw .. 4 cw
 //             + 3 of the same tile) and for the 64 k_pe columns (m64n64k16, panel 8; both
 //             warpgroups, warpgroup 1 stores them): 160 fp32 accumulators per thread.
-//   split-S   (Traits::split_s, the default route; PAGEDATTN_CUDA_MLA=split-s) warpgroup c
+//   split-S   (Consumer::kSplitS: the default for fp8 caches and up to 64 heads;
+//             PAGEDATTN_CUDA_MLA=split-s) warpgroup c
 //             computes S only for keys 32 c .. 32 c + 31 (m64n32k16), the two
 //             exchange row maxima through shared memory (named barrier 2), each writes its
 //             half of P (16-bit) into one swizzled 64 x 64 panel, and both run O += P V with P
@@ -45,7 +46,10 @@
 //             products. Handoffs on named barriers 3 + c (m_j in xchg[c]) and 5 + c (P_j in
 //             the panel), each arrived by the owner and synced by the other once per tile, in
 //             strict alternation (the chain orders them); one P panel suffices because the
-//             reader of P_j is the writer of P_{j+1}.
+//             reader of P_j is the writer of P_{j+1}. Warpgroup 0's P V reads panels 0-3,
+//             warpgroup 1's panels 4-8 (it owns the k_pe columns): each half of a stage has
+//             its own full / empty barriers, freed by its reader and refilled (owner's half
+//             first) while the other half is still read. The default above 64 heads.
 //   sync      mbarriers through CCCL's cuda::ptx: full[s] (128 producer arrivals), empty[s]
 //             (256 consumer arrivals); phases flip every kStages tiles. Consumers fence the
 //             async proxy after a `full` wait, before their wgmmas read what the generic proxy
@@ -113,31 +117,33 @@ __device__ __forceinline__ bool mla_work(const MlaParams& p, Work& w) {
   return true;
 }
 
-// The CTA's mbarriers: q_full, then full[kStages] (producer -> consumers) and empty[kStages]
-// (consumers -> producer).
-template <int kStages>
+// The CTA's mbarriers: q_full, then full[kStages][kHalves] (producer -> consumers) and
+// empty[kStages][kHalves] (consumers -> producer); h: the half of a stage (config.h).
+template <int kStages, int kHalves>
 struct Barriers {
   uint64_t* base;
   __device__ uint64_t* q_full() const { return base; }
-  __device__ uint64_t* full(int s) const { return base + 1 + s; }
-  __device__ uint64_t* empty(int s) const { return base + 1 + kStages + s; }
+  __device__ uint64_t* full(int s, int h = 0) const { return base + 1 + s * kHalves + h; }
+  __device__ uint64_t* empty(int s, int h = 0) const {
+    return base + 1 + (kStages + s) * kHalves + h;
+  }
 };
 
 template <class T>
 __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsigned char* smem,
-                                        Barriers<T::kStages> bars, int n_tiles);
+                                        Barriers<T::kStages, T::kHalves> bars, int n_tiles);
 template <class T>
 __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsigned char* smem,
-                                        Barriers<T::kStages> bars, int n_tiles);
+                                        Barriers<T::kStages, T::kHalves> bars, int n_tiles);
 template <class T>
 __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& w,
-                                                unsigned char* smem, Barriers<T::kStages> bars,
-                                                int n_tiles);
+                                                unsigned char* smem,
+                                                Barriers<T::kStages, T::kHalves> bars, int n_tiles);
 
 template <class T>
 __device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w,
-                                               unsigned char* smem, Barriers<T::kStages> bars,
-                                               int n_tiles);
+                                               unsigned char* smem,
+                                               Barriers<T::kStages, T::kHalves> bars, int n_tiles);
 
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_constant__ MlaParams p) {
@@ -156,12 +162,15 @@ __global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_consta
   if (!mla_work(p, w)) return;
   const int n_tiles = ceil_div(w.kv_end - w.kv_begin, kBlockN);
 
-  const Barriers<T::kStages> bars{reinterpret_cast<uint64_t*>(smem + lay.bar_offset)};
+  const Barriers<T::kStages, T::kHalves> bars{reinterpret_cast<uint64_t*>(smem + lay.bar_offset)};
   if (threadIdx.x == 0) {
     ptx::mbarrier_init(bars.q_full(), 128);
     for (int s = 0; s < T::kStages; ++s) {
-      ptx::mbarrier_init(bars.full(s), 128);  // one arrival per producer thread
-      ptx::mbarrier_init(bars.empty(s), 256);
+      for (int h = 0; h < T::kHalves; ++h) {
+        ptx::mbarrier_init(bars.full(s, h), 128);  // one arrival per producer thread
+        // Both consumer warpgroups free a whole stage; a half only its reader (seesaw).
+        ptx::mbarrier_init(bars.empty(s, h), 256 / T::kHalves);
+      }
     }
     ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
   }
@@ -180,7 +189,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_consta
 
 template <class T>
 __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsigned char* smem,
-                                        Barriers<T::kStages> bars, int n_tiles) {
+                                        Barriers<T::kStages, T::kHalves> bars, int n_tiles) {
   constexpr int kStages = T::kStages;
   constexpr int kQChunks = kEntry / 8;                      // 72 chunks of 16 bytes per Q row
   constexpr int kRowChunks = kEntry * T::kCacheBytes / 16;  // 72 (16-bit) or 36 (fp8) per key
@@ -249,12 +258,14 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
   const int lane_col = ct % kLanes, lane_row = ct / kLanes;
   // This thread's copies of a tile whose rows `table` holds: chunk k of pass i lands at
   // dst + k * chunk_step + i * pass_step (the swizzled panels, or the fp8 natural order).
-  auto copy_rows = [&](const int64_t* table, uint32_t dst, int chunk_step, int pass_step) {
+  // Chunks k in [k0, k1) of every row: the 16-bit panels of one half (seesaw) or all.
+  auto copy_rows = [&](const int64_t* table, uint32_t dst, int chunk_step, int pass_step, auto k0,
+                       auto k1) {
 #pragma unroll
     for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
       const char* const src = cache + row_bytes(table[lane_row + kRowsPerPass * i]) + lane_col * 16;
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) {
+      for (int k = decltype(k0)::value; k < decltype(k1)::value; ++k) {
         sm80::cp_async_16(dst + k * chunk_step + i * pass_step, src + k * kLanes * 16, 16, 0);
       }
     }
@@ -267,34 +278,54 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
     // others only arrive; the split's last, partial tile still goes by cp.async (its rows past
     // the split read the last key, which a box cannot do).
     const int box_rows = min(p.block_size, kBlockN);
+    using P0 = std::integral_constant<int, 0>;
+    using PH = std::integral_constant<int, T::kHalves == 2 ? kHalfPanel : kPanels>;
+    using P9 = std::integral_constant<int, kPanels>;
     for (int j = 0; j < n_tiles; ++j) {
       const int s = j % kStages;
       const int64_t* table = publish(j, next_off);
       next_off = lookup(j + 1);
-      mbar_wait(bars.empty(s), ((j / kStages) & 1) ^ 1);  // tile j - kStages released
       unsigned char* const stage = smem + lay.stage_offset + s * lay.stage_bytes;
-      if (p.kv_tma && w.kv_begin + (j + 1) * kBlockN <= w.kv_end) {
-        if (ct == 0) {
-          ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
-                                         bars.full(s), uint32_t(kBlockN * kEntry * 2));
-          for (int b = 0; b < kBlockN; b += box_rows) {
-            const uint64_t row = uint64_t(table[b]);
-            const int32_t block = int32_t(row >> 32), in_block = int32_t(uint32_t(row));
+      const bool tma = p.kv_tma && w.kv_begin + (j + 1) * kBlockN <= w.kv_end;
+      // Half h = panels [k0, k1) of the tile: wait until its readers freed it, then bring it.
+      // The seesaw's owner of tile j (warpgroup j % 2) frees its half of tile j - 2 first.
+      auto bring = [&](int h, auto k0, auto k1) {
+        constexpr int kFirst = decltype(k0)::value, kEnd = decltype(k1)::value;
+        mbar_wait(bars.empty(s, h), ((j / kStages) & 1) ^ 1);  // tile j - kStages released
+        if (tma) {
+          if (ct == 0) {
+            ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
+                                           bars.full(s, h),
+                                           uint32_t(kBlockN * (kEnd - kFirst) * 128));
+            for (int b = 0; b < kBlockN; b += box_rows) {
+              const uint64_t row = uint64_t(table[b]);
+              const int32_t block = int32_t(row >> 32), in_block = int32_t(uint32_t(row));
 #pragma unroll
-            for (int k = 0; k < kPanels; ++k) {
-              const int32_t at[3] = {64 * k, in_block, block};
-              ptx::cp_async_bulk_tensor(ptx::space_shared, ptx::space_global,
-                                        stage + k * lay.kv_panel + b * 128, &p.kv_map, at,
-                                        bars.full(s));
+              for (int k = kFirst; k < kEnd; ++k) {
+                const int32_t at[3] = {64 * k, in_block, block};
+                ptx::cp_async_bulk_tensor(ptx::space_shared, ptx::space_global,
+                                          stage + k * lay.kv_panel + b * 128, &p.kv_map, at,
+                                          bars.full(s, h));
+              }
             }
+          } else {
+            ptx::mbarrier_arrive(bars.full(s, h));
           }
         } else {
-          ptx::mbarrier_arrive(bars.full(s));
+          copy_rows(table, sm80::smem_addr(stage) + chunk_at, lay.kv_panel, kRowsPerPass * 128, k0,
+                    k1);
+          ptx::cp_async_mbarrier_arrive_noinc(bars.full(s, h));
         }
-        continue;
+      };
+      if constexpr (T::kHalves == 1) {
+        bring(0, P0{}, P9{});
+      } else if ((j & 1) == 0) {
+        bring(0, P0{}, PH{});
+        bring(1, PH{}, P9{});
+      } else {
+        bring(1, PH{}, P9{});
+        bring(0, P0{}, PH{});
       }
-      copy_rows(table, sm80::smem_addr(stage) + chunk_at, lay.kv_panel, kRowsPerPass * 128);
-      ptx::cp_async_mbarrier_arrive_noinc(bars.full(s));
     }
     sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
   } else {
@@ -305,7 +336,8 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
       next_off = lookup(j + 1);
       const uint32_t raw = sm80::smem_addr(smem + lay.raw_offset + (j & 1) * lay.raw_bytes) +
                            lane_row * kEntry + lane_col * 16;
-      copy_rows(table, raw, kLanes * 16, kRowsPerPass * kEntry);
+      copy_rows(table, raw, kLanes * 16, kRowsPerPass * kEntry, std::integral_constant<int, 0>{},
+                std::integral_constant<int, kPer>{});
       sm80::cp_async_commit();
     };
     if (n_tiles > 0) issue(0);
@@ -355,13 +387,13 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
 // a row's sum is spread over its quad), v scale; the output and LSE, or the split partials.
 // Warpgroup cw writes kv_c columns 256 cw .. 256 cw + 255, and the k_pe columns it holds: all 64
 // (kPe = 8: warpgroup 0's are written) or 32 cw .. 32 cw + 31 (kPe = 4); warpgroup 0 the LSE.
-template <class T, int kPe>
+template <class T, int kPe, int kPeWg = 0>
 __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w,
                                            const float (&o)[32][4], const float (&o_pe)[kPe][4],
                                            const float (&m)[2], const float (&l)[2], int row_a,
                                            int t4, int cw) {
   static_assert(kPe == 8 || kPe == 4);
-  const bool pe_mine = kPe == 4 || cw == 0;
+  const bool pe_mine = kPe == 4 || cw == kPeWg;
   const int pe0 = kPe == 4 ? 512 + 32 * cw : 512;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -427,7 +459,7 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w,
 
 template <class T>
 __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsigned char* smem,
-                                        Barriers<T::kStages> bars, int n_tiles) {
+                                        Barriers<T::kStages, T::kHalves> bars, int n_tiles) {
   constexpr int kStages = T::kStages, kSn = kBlockN / 8;
   constexpr bool kBF16 = T::act == DType::kBF16;
   constexpr Layout lay = T::layout();
@@ -623,7 +655,8 @@ __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsig
 
 template <class T>
 __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& w,
-                                                unsigned char* smem, Barriers<T::kStages> bars,
+                                                unsigned char* smem,
+                                                Barriers<T::kStages, T::kHalves> bars,
                                                 int n_tiles) {
   constexpr int kStages = T::kStages, kHalf = kBlockN / 2, kSn = kHalf / 8;
   constexpr bool kBF16 = T::act == DType::kBF16;
@@ -783,22 +816,26 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
   store_rows<T>(p, w, o, o_pe, m, l, row_a, t4, cw);
 }
 
-// The seesaw (see the map): warpgroup cw owns tiles j = cw (mod 2) and O's columns 256 cw ..,
-// 512 + 32 cw ... O and the row sums l (own tiles only) are kept at the row maxima m_ref they
-// were last moved to; both warpgroups end at the chain's last maxima, so the sums add.
-template <class T>
-__device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w,
-                                               unsigned char* smem, Barriers<T::kStages> bars,
-                                               int n_tiles) {
-  constexpr int kSn = kBlockN / 8, kPe = 4;
+// The seesaw (see the map), for warpgroup kC: it owns tiles j = kC (mod 2) and O's kv_c columns
+// 256 kC .. 256 kC + 255, warpgroup 1 also the 64 k_pe columns; so its P V reads only its half
+// of a stage (panels 0-3, or 4-8), which it frees on its own. O and the row sums l (own tiles
+// only) are kept at the row maxima m_ref they were last moved to; both warpgroups end at the
+// chain's last maxima, so the sums add. Compiled once per warpgroup: every wgmma group sits in
+// straight-line code.
+template <class T, int kC>
+__device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work& w,
+                                                 unsigned char* smem,
+                                                 Barriers<T::kStages, T::kHalves> bars,
+                                                 int n_tiles) {
+  constexpr int kSn = kBlockN / 8, kPe = 8;
   constexpr bool kBF16 = T::act == DType::kBF16;
+  constexpr bool kHasPe = kC == 1;
   constexpr Layout lay = T::layout();
   constexpr int kBarConsumers = 2, kBarMax = 3, kBarP = 5;  // + the owner warpgroup
-  static_assert(T::kStages == 2, "tile j lives in stage j % 2 and is owned by warpgroup j % 2");
-  sm90::setmaxnreg_inc<T::kConsumerRegs>();
-  // Broadcast from lane 0 so that ptxas sees a warp-uniform value: the wgmma groups under
-  // conditions on it would otherwise be serialised.
-  const int cw = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128 - 1, 0);
+  constexpr int kOther = 1 - kC;
+  // Panels of this warpgroup's half: [kMine0, kMine1); the other half is the rest.
+  constexpr int kMine0 = kC == 0 ? 0 : kHalfPanel, kMine1 = kC == 0 ? kHalfPanel : kPanels;
+  static_assert(T::kStages == 2 && T::kHalves == 2, "tile j: stage j % 2, owner j % 2");
   const int ct = int(threadIdx.x) % 128;
   const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
   const int row_a = 16 * warp + g;
@@ -812,8 +849,8 @@ __device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w
   }
   const int mask_from = min(w.kv_len - w.q_len + w.row0 / p.num_heads + 1, w.kv_end);
 
-  float o[32][4];      // kv_c columns 256 cw + 8 i + 2 t4 + {0, 1}, rows row_a, row_a + 8
-  float o_pe[kPe][4];  // k_pe columns 512 + 32 cw + 8 i + ...
+  float o[32][4];      // kv_c columns 256 kC + 8 i + 2 t4 + {0, 1}, rows row_a, row_a + 8
+  float o_pe[kPe][4];  // warpgroup 1: k_pe columns 512 + 8 i + ...
 #pragma unroll
   for (int i = 0; i < 32; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
 #pragma unroll
@@ -827,10 +864,14 @@ __device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w
   const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset);
   const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
   auto stage_of = [&](int j) { return stage0 + uint32_t(j & 1) * lay.stage_bytes; };
+  auto wait_half = [&](int j, int h) {
+    mbar_wait(bars.full(j & 1, h), uint32_t((j >> 1) & 1));
+    ptx::fence_proxy_async(ptx::space_shared);  // cp.async tiles are generic-proxy writes
+  };
 
   auto fence_o = [&] {
     sm90::fence_operands(o);
-    sm90::fence_operands(o_pe);
+    if constexpr (kHasPe) sm90::fence_operands(o_pe);
   };
   // pa stays allocated until the RS wgmma reading it has completed (waited before this).
   auto keep_pa = [&] {
@@ -840,28 +881,45 @@ __device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w
       for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(pa[kk][i])::"memory");
     }
   };
-  // S = Q K^T of tile j (whole 64 keys; Q's descriptors opaque, as in consume()).
+  // S = Q K^T of own tile j, whole 64 keys: this warpgroup's half of the panels first (the
+  // producer brings it first), then the other half as it lands; two commit groups. Q's
+  // descriptors opaque, as in consume().
   auto issue_s = [&](float(&sacc)[kSn][4], int j) {
     const uint32_t k_base = stage_of(j);
     uint32_t q_at = q_base;
     asm volatile("" : "+r"(q_at));
+    auto steps = [&](int ks0, int ks1, bool first) {
+#pragma unroll
+      for (int ks = ks0; ks < ks1; ++ks) {
+        const uint64_t da =
+            sm90::sw128_desc(q_at + (ks >> 2) * lay.q_panel + (ks & 3) * 32, 16, 1024);
+        const uint64_t db =
+            sm90::sw128_desc(k_base + (ks >> 2) * lay.kv_panel + (ks & 3) * 32, 16, 1024);
+        sm90::Wgmma<kBlockN, kBF16>::template ss<0>(sacc, da, db, !(first && ks == ks0));
+      }
+    };
+    wait_half(j, kC);
     sm90::fence_operands(sacc);
     sm90::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kEntry / 16; ++ks) {
-      const uint64_t da =
-          sm90::sw128_desc(q_at + (ks >> 2) * lay.q_panel + (ks & 3) * 32, 16, 1024);
-      const uint64_t db =
-          sm90::sw128_desc(k_base + (ks >> 2) * lay.kv_panel + (ks & 3) * 32, 16, 1024);
-      sm90::Wgmma<kBlockN, kBF16>::template ss<0>(sacc, da, db, ks > 0);
+    steps(4 * kMine0, 4 * kMine1, true);
+    // Two groups: a wait between the wgmmas of one group made ptxas insert its own fence on
+    // the wait's divergent path and serialise the wgmmas (C7520).
+    sm90::wgmma_commit();
+    wait_half(j, kOther);
+    sm90::fence_operands(sacc);
+    sm90::wgmma_fence();
+    if constexpr (kC == 0) {
+      steps(4 * kHalfPanel, 4 * kPanels, false);
+    } else {
+      steps(0, 4 * kHalfPanel, false);
     }
     sm90::wgmma_commit();
   };
-  // O += P_j V_j over this warpgroup's columns: V MN-major (16 keys are +2048 B), the k_pe
-  // half 32 columns (64 B) into panel 8. P from registers (own tile) or the panel (other's).
+  // O += P_j V_j over this warpgroup's columns: V MN-major (16 keys are +2048 B); warpgroup 1
+  // also the k_pe panel. P from registers (own tile) or the panel (the other's).
   auto issue_pv = [&](int j, auto from_regs) {
-    const uint32_t v_base = stage_of(j) + 4 * cw * lay.kv_panel;
-    const uint32_t pe_base = stage_of(j) + 8 * lay.kv_panel + 64 * cw;
+    const uint32_t v_base = stage_of(j) + 4 * kC * lay.kv_panel;
+    const uint32_t pe_base = stage_of(j) + 8 * lay.kv_panel;
     fence_o();
     sm90::wgmma_fence();
 #pragma unroll
@@ -870,15 +928,17 @@ __device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w
       const uint64_t dpe = sm90::sw128_desc(pe_base + kk * 2048, lay.kv_panel, 1024);
       if constexpr (decltype(from_regs)::value) {
         sm90::Wgmma<256, kBF16>::template rs<1>(o, pa[kk], dv, 1);
-        sm90::Wgmma<kPe * 8, kBF16>::template rs<1>(o_pe, pa[kk], dpe, 1);
+        if constexpr (kHasPe) sm90::Wgmma<64, kBF16>::template rs<1>(o_pe, pa[kk], dpe, 1);
       } else {
         const uint64_t dp = sm90::sw128_desc(p_base + kk * 32, 16, 1024);
         sm90::Wgmma<256, kBF16>::template ss<1>(o, dp, dv, 1);
-        sm90::Wgmma<kPe * 8, kBF16>::template ss<1>(o_pe, dp, dpe, 1);
+        if constexpr (kHasPe) sm90::Wgmma<64, kBF16>::template ss<1>(o_pe, dp, dpe, 1);
       }
     }
     sm90::wgmma_commit();
   };
+  // This warpgroup's half of tile j's stage is no longer read by it (its P V of j is done).
+  auto release = [&](int j) { ptx::mbarrier_arrive(bars.empty(j & 1, kC)); };
   // O and l from m_ref to the maxima m_new (no P V of this warpgroup in flight); warps whose
   // rows' maxima did not move skip the multiplies.
   auto move_to = [&](const float(&m_new)[2]) {
@@ -894,18 +954,23 @@ __device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w
       for (int i = 0; i < 32; ++i) {
         o[i][0] *= sc[0], o[i][1] *= sc[0], o[i][2] *= sc[1], o[i][3] *= sc[1];
       }
+      if constexpr (kHasPe) {
 #pragma unroll
-      for (int i = 0; i < kPe; ++i) {
-        o_pe[i][0] *= sc[0], o_pe[i][1] *= sc[0], o_pe[i][2] *= sc[1], o_pe[i][3] *= sc[1];
+        for (int i = 0; i < kPe; ++i) {
+          o_pe[i][0] *= sc[0], o_pe[i][1] *= sc[0], o_pe[i][2] *= sc[1], o_pe[i][3] *= sc[1];
+        }
       }
     }
   };
-  // The other warpgroup's tile j: its maxima (O moved to them), then its P V from the panel.
+  // The other warpgroup's tile j: its maxima (O moved to them), then its P V from the panel
+  // over this warpgroup's half (landed: the owner's S waited for it; waited again here, a
+  // completed phase, so that this warpgroup itself observes the copies).
   auto join_other = [&](int j) {
-    sm90::named_barrier_sync(kBarMax + 1 - cw, 256);
-    const float m_j[2] = {xchg[(1 - cw) * kBlockM + row_a], xchg[(1 - cw) * kBlockM + row_a + 8]};
+    sm90::named_barrier_sync(kBarMax + kOther, 256);
+    const float m_j[2] = {xchg[kOther * kBlockM + row_a], xchg[kOther * kBlockM + row_a + 8]};
     move_to(m_j);
-    sm90::named_barrier_sync(kBarP + 1 - cw, 256);
+    sm90::named_barrier_sync(kBarP + kOther, 256);
+    wait_half(j, kC);
     issue_pv(j, std::false_type{});
   };
   // Own tile j, S done: mask, the chain's new maxima (published at once: the other warpgroup's
@@ -932,11 +997,11 @@ __device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       m_new[h] = fmaxf(m_ref[h], mx * f);
-      if (t4 == 0) xchg[cw * kBlockM + row_a + 8 * h] = m_new[h];
+      if (t4 == 0) xchg[kC * kBlockM + row_a + 8 * h] = m_new[h];
       base[h] = m_new[h] == -INFINITY ? 0.0f : m_new[h];
       sum[h] = 0.0f;
     }
-    sm90::named_barrier_arrive(kBarMax + cw, 256);
+    sm90::named_barrier_arrive(kBarMax + kC, 256);
 #pragma unroll
     for (int nt = 0; nt < kSn; ++nt) {
 #pragma unroll
@@ -961,7 +1026,7 @@ __device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w
       }
     }
     ptx::fence_proxy_async(ptx::space_shared);  // generic stores, read next by wgmma
-    sm90::named_barrier_arrive(kBarP + cw, 256);
+    sm90::named_barrier_arrive(kBarP + kC, 256);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       pa[kk][0] = pack2<T::act>(sacc[2 * kk][0], sacc[2 * kk][1]);
@@ -970,32 +1035,28 @@ __device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w
       pa[kk][3] = pack2<T::act>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
     }
   };
-  auto wait_full = [&](int j) {
-    mbar_wait(bars.full(j & 1), uint32_t((j >> 1) & 1));
-    ptx::fence_proxy_async(ptx::space_shared);
-  };
 
   mbar_wait(bars.q_full(), 0);
-  int j = cw;
-  if (cw == 0 && n_tiles > 0) {  // tile 0: nothing before it joins O
-    wait_full(0);
-    float sacc[kSn][4], m_new[2], sum[2];
-    issue_s(sacc, 0);
-    sm90::wgmma_wait<0>();
-    sm90::fence_operands(sacc);
-    softmax(sacc, 0, m_new, sum);
-    publish_p(sacc, m_new, sum);
-    issue_pv(0, std::true_type{});
-    j = 2;
+  int j = kC;
+  if constexpr (kC == 0) {
+    if (n_tiles > 0) {  // tile 0: nothing before it joins O
+      float sacc[kSn][4], m_new[2], sum[2];
+      issue_s(sacc, 0);
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(sacc);
+      softmax(sacc, 0, m_new, sum);
+      publish_p(sacc, m_new, sum);
+      issue_pv(0, std::true_type{});
+      j = 2;
+    }
   }
   for (; j < n_tiles; j += 2) {
-    // This warpgroup's P V of tile j - 2 done: its stage (tile j's) is released for our part
-    // before tile j is awaited (the producer refills it only when both parts are in).
+    // This warpgroup's P V of tile j - 2 done: its half of the stage is freed before tile j
+    // is awaited (the producer refills it only when it is free).
     sm90::wgmma_wait<0>();
     keep_pa();
     fence_o();
-    if (j >= 2) ptx::mbarrier_arrive(bars.empty(j & 1));
-    wait_full(j);
+    if (j >= 2) release(j - 2);
     float sacc[kSn][4], m_new[2], sum[2];
     issue_s(sacc, j);
     join_other(j - 1);      // runs under S_j
@@ -1004,31 +1065,43 @@ __device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w
     softmax(sacc, j, m_new, sum);
     sm90::wgmma_wait<0>();  // P_{j-1} V done: O is at m_{j-1}, the panel is free
     fence_o();
-    ptx::mbarrier_arrive(bars.empty((j - 1) & 1));
+    release(j - 1);
     publish_p(sacc, m_new, sum);
     issue_pv(j, std::true_type{});
   }
   sm90::wgmma_wait<0>();
   keep_pa();
   fence_o();
-  if (j >= 2) ptx::mbarrier_arrive(bars.empty(j & 1));  // the last own tile, j - 2
-  if (n_tiles > 0 && ((n_tiles - 1) & 1) != cw) {       // the last tile is the other's
+  if (j >= 2) release(j - 2);                      // the last own tile
+  if (n_tiles > 0 && ((n_tiles - 1) & 1) != kC) {  // the last tile is the other's
     join_other(n_tiles - 1);
     sm90::wgmma_wait<0>();
     fence_o();
-    ptx::mbarrier_arrive(bars.empty((n_tiles - 1) & 1));
+    release(n_tiles - 1);
   }
 
   // Row sums of the other warpgroup's tiles (same rows, same final maxima) through the P
   // panel, free once both are past their last P V.
   float* const lx = reinterpret_cast<float*>(p_tile);  // [2 warpgroups][128 threads][2]
   sm90::named_barrier_sync(kBarConsumers, 256);
-  lx[(cw * 128 + ct) * 2] = l[0];
-  lx[(cw * 128 + ct) * 2 + 1] = l[1];
+  lx[(kC * 128 + ct) * 2] = l[0];
+  lx[(kC * 128 + ct) * 2 + 1] = l[1];
   sm90::named_barrier_sync(kBarConsumers, 256);
-  l[0] += lx[((1 - cw) * 128 + ct) * 2];
-  l[1] += lx[((1 - cw) * 128 + ct) * 2 + 1];
-  store_rows<T, kPe>(p, w, o, o_pe, m_ref, l, row_a, t4, cw);
+  l[0] += lx[(kOther * 128 + ct) * 2];
+  l[1] += lx[(kOther * 128 + ct) * 2 + 1];
+  store_rows<T, kPe, 1>(p, w, o, o_pe, m_ref, l, row_a, t4, kC);
+}
+
+template <class T>
+__device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w,
+                                               unsigned char* smem,
+                                               Barriers<T::kStages, T::kHalves> bars, int n_tiles) {
+  sm90::setmaxnreg_inc<T::kConsumerRegs>();
+  if (threadIdx.x < 256) {
+    seesaw_warpgroup<T, 0>(p, w, smem, bars, n_tiles);
+  } else {
+    seesaw_warpgroup<T, 1>(p, w, smem, bars, n_tiles);
+  }
 }
 
 // Launches `kernel(p)` with programmatic stream serialization allowed (both MLA kernels open

@@ -43,11 +43,14 @@ const char* consumer_name(Consumer c) {
   return "auto";
 }
 
-Consumer default_consumer(KVKind) {
-  return Consumer::kSplitS;
+// [H100, bench/results/2026-12-05-h100-mla-seesaw-halves.txt] the seesaw with per-half stage
+// release: 128 heads x 1 token 1.04-1.10x split-S (two M tiles per request, L2 serves the
+// second CTA's reads: latency-bound); 16 heads 0.93-0.96x (DRAM-bound: one M tile).
+Consumer default_consumer(KVKind kv, int num_heads) {
+  return kv == KVKind::kSame && num_heads > kBlockM ? Consumer::kSeesaw : Consumer::kSplitS;
 }
 
-const MlaKernel* find_mla(DType act, DType cache, Consumer consumer) {
+const MlaKernel* find_mla(DType act, DType cache, int num_heads, Consumer consumer) {
   const bool act16 = act == DType::kF16 || act == DType::kBF16;
   if (!act16) return nullptr;
   KVKind kind;
@@ -58,7 +61,7 @@ const MlaKernel* find_mla(DType act, DType cache, Consumer consumer) {
   } else {
     return nullptr;
   }
-  if (consumer == Consumer::kAuto) consumer = default_consumer(kind);
+  if (consumer == Consumer::kAuto) consumer = default_consumer(kind, num_heads);
   for (const MlaKernel& k : mla_kernels())
     if (k.act == act && k.kv == kind && k.consumer == consumer) return &k;
   return nullptr;

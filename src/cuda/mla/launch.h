@@ -44,12 +44,15 @@ const std::vector<MlaCombineKernel>& mla_combine_kernels();
 
 /// The PAGEDATTN_CUDA_MLA spelling of `c` ("auto", "redundant", "split-s", "seesaw").
 const char* consumer_name(Consumer c);
-/// The consumer division kAuto means for a cache kind (the measured-fastest compiled one).
-Consumer default_consumer(KVKind kv);
+/// The consumer division kAuto means for a cache kind and head count (the measured-fastest
+/// compiled one): the seesaw where a request's rows span several M tiles whose CTAs share each
+/// K/V read through L2 (16-bit caches, more than kBlockM heads), split-S elsewhere.
+Consumer default_consumer(KVKind kv, int num_heads);
 /// The compiled kernel for activations `act` over a latent cache of `cache` with consumer
 /// division `consumer` (kAuto: default_consumer()), or nullptr (float32 activations, mixed
 /// 16-bit types, e5m2 caches and the seesaw over fp8 are not compiled).
-const MlaKernel* find_mla(DType act, DType cache, Consumer consumer = Consumer::kAuto);
+const MlaKernel* find_mla(DType act, DType cache, int num_heads,
+                          Consumer consumer = Consumer::kAuto);
 const MlaCombineKernel* find_mla_combine(DType act);
 
 }  // namespace pagedattn::cuda::mla
