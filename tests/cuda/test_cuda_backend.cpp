@@ -21,6 +21,7 @@
 #include "cuda/backend/plan.h"
 #include "cuda/backend/q_map.h"
 #include "cuda/decode/launch.h"
+#include "cuda/mla/launch.h"
 #include "cuda/prefill/walk.h"
 #include "pagedattn/accuracy.h"
 #include "pagedattn/error.h"
@@ -255,6 +256,57 @@ TEST(CudaBackendHost, PrefillSwitchesFromTheEnvironment) {
       unsetenv(v.name);
     }
   }
+}
+
+// The MLA route: the variable's spellings, and what auto means per cache kind and head count
+// (the seesaw where a request's rows span two M tiles on a 16-bit cache, split-S elsewhere; no
+// seesaw over fp8, which has one 16-bit stage).
+TEST(CudaBackendHost, MlaRouteFromTheEnvironmentAndTheHeadCount) {
+  const char* name = cuda::kMlaEnvVar;
+  std::string saved;
+  const bool had = std::getenv(name) != nullptr;
+  if (had) saved = std::getenv(name);
+  unsetenv(name);
+  using cuda::mla::Consumer;
+  EXPECT_EQ(cuda::backend_options_from_env().mla_consumer, Consumer::kAuto);
+  const std::pair<const char*, Consumer> spellings[] = {{"auto", Consumer::kAuto},
+                                                        {"redundant", Consumer::kRedundant},
+                                                        {"split-s", Consumer::kSplitS},
+                                                        {"seesaw", Consumer::kSeesaw}};
+  for (const auto& [text, want] : spellings) {
+    setenv(name, text, 1);
+    EXPECT_EQ(cuda::backend_options_from_env().mla_consumer, want) << text;
+    EXPECT_STREQ(cuda::mla::consumer_name(want), text);
+  }
+  for (const char* bad : {"split_s", "Seesaw", "fast"}) {
+    setenv(name, bad, 1);
+    EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, name);
+  }
+  if (had) {
+    setenv(name, saved.c_str(), 1);
+  } else {
+    unsetenv(name);
+  }
+
+  for (DType act : {DType::kBF16, DType::kF16}) {
+    const cuda::mla::MlaKernel* k = cuda::mla::find_mla(act, act, 128);
+    ASSERT_NE(k, nullptr);
+    EXPECT_EQ(k->consumer, Consumer::kSeesaw);
+    for (int heads : {16, 64}) {
+      k = cuda::mla::find_mla(act, act, heads);
+      ASSERT_NE(k, nullptr);
+      EXPECT_EQ(k->consumer, Consumer::kSplitS) << heads;
+    }
+    k = cuda::mla::find_mla(act, DType::kFp8E4M3, 128);
+    ASSERT_NE(k, nullptr);
+    EXPECT_EQ(k->consumer, Consumer::kSplitS);
+    EXPECT_EQ(cuda::mla::find_mla(act, DType::kFp8E4M3, 128, Consumer::kSeesaw), nullptr);
+    k = cuda::mla::find_mla(act, act, 16, Consumer::kRedundant);
+    ASSERT_NE(k, nullptr);
+    EXPECT_EQ(k->consumer, Consumer::kRedundant);
+  }
+  EXPECT_EQ(cuda::mla::find_mla(DType::kF32, DType::kF32, 128), nullptr);
+  EXPECT_EQ(cuda::mla::find_mla(DType::kBF16, DType::kF16, 16), nullptr);
 }
 
 TEST(CudaBackendHost, PrefillWalkVisitsEveryWorkTileOnceGroupByGroup) {
