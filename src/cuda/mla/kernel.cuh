@@ -1058,14 +1058,16 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
     fence_o();
     if (j >= 2) release(j - 2);
     float sacc[kSn][4], m_new[2], sum[2];
+    // The other's P V before S_j: its half of tile j - 1 frees ~one S earlier, and the
+    // producer refills it sooner ([H100] 1.5-3.5% at 128 heads over S_j first).
+    join_other(j - 1);
     issue_s(sacc, j);
-    join_other(j - 1);      // runs under S_j
-    sm90::wgmma_wait<1>();  // S_j done; P_{j-1} V still runs
-    sm90::fence_operands(sacc);
-    softmax(sacc, j, m_new, sum);
-    sm90::wgmma_wait<0>();  // P_{j-1} V done: O is at m_{j-1}, the panel is free
+    sm90::wgmma_wait<2>();  // P_{j-1} V done; S_j's two groups still run
     fence_o();
     release(j - 1);
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(sacc);
+    softmax(sacc, j, m_new, sum);
     publish_p(sacc, m_new, sum);
     issue_pv(j, std::true_type{});
   }
