@@ -383,6 +383,53 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
   }
 }
 
+// Keys this thread's rows row_a and row_a + 8 may see: [kv_begin, hi[h]). Rows past the
+// request are zero queries that nobody stores: they see the whole split (no mask of their own,
+// no NaN). Tiles ending at or before `mask_from` need no mask (CTA-uniform).
+struct RowBounds {
+  int hi[2];
+  int mask_from;
+};
+__device__ __forceinline__ RowBounds row_bounds(const MlaParams& p, const Work& w, int row_a) {
+  RowBounds b;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_a + 8 * h;
+    b.hi[h] = row < w.num_rows
+                  ? min(w.kv_len - w.q_len + (w.row0 + row) / p.num_heads + 1, w.kv_end)
+                  : w.kv_end;
+  }
+  b.mask_from = min(w.kv_len - w.q_len + w.row0 / p.num_heads + 1, w.kv_end);
+  return b;
+}
+
+// -inf for the keys past each row's bound in a score tile whose first key is `ts` (columns
+// 8 nt + 2 t4 + {0, 1} of the wgmma accumulator layout).
+template <int kSn>
+__device__ __forceinline__ void mask_scores(float (&sacc)[kSn][4], const RowBounds& b, int ts,
+                                            int t4) {
+#pragma unroll
+  for (int nt = 0; nt < kSn; ++nt) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int key = ts + nt * 8 + 2 * t4 + (c & 1);
+      if (key >= b.hi[c >> 1]) sacc[nt][c] = -INFINITY;
+    }
+  }
+}
+
+// The consumer warpgroups that count row sums over different keys (split-S, seesaw) add them:
+// thread ct of warpgroup cw swaps its two rows' sums with thread ct of the other through `xs`
+// (2 x 128 x 2 floats of shared memory no wgmma reads any more; named barrier 2).
+__device__ __forceinline__ void add_other_row_sums(float (&l)[2], float* xs, int cw, int ct) {
+  sm90::named_barrier_sync(2, 256);
+  xs[(cw * 128 + ct) * 2] = l[0];
+  xs[(cw * 128 + ct) * 2 + 1] = l[1];
+  sm90::named_barrier_sync(2, 256);
+  l[0] += xs[((1 - cw) * 128 + ct) * 2];
+  l[1] += xs[((1 - cw) * 128 + ct) * 2 + 1];
+}
+
 // This thread's rows row_a and row_a + 8 out: normalise by the row sums (l: this thread's part,
 // a row's sum is spread over its quad), v scale; the output and LSE, or the split partials.
 // Warpgroup cw writes kv_c columns 256 cw .. 256 cw + 255, and the k_pe columns it holds: all 64
@@ -469,17 +516,7 @@ __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsig
   const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
   const int row_a = 16 * warp + g;  // this thread's rows: row_a and row_a + 8
 
-  // Keys row i may see: [kv_begin, hi). Rows past the request are zero queries that nobody
-  // stores: they see the whole split (no mask of their own, no NaN).
-  int hi[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row_a + 8 * h;
-    hi[h] = row < w.num_rows ? min(w.kv_len - w.q_len + (w.row0 + row) / p.num_heads + 1, w.kv_end)
-                             : w.kv_end;
-  }
-  // Tiles ending at or before every real row's bound need no mask (CTA-uniform).
-  const int mask_from = min(w.kv_len - w.q_len + w.row0 / p.num_heads + 1, w.kv_end);
+  const RowBounds bounds = row_bounds(p, w, row_a);
 
   float o[32][4];    // kv_c columns 256 cw + 8 i + 2 t4 + {0, 1}, rows row_a, row_a + 8
   float o_pe[8][4];  // k_pe columns 512 + 8 i + ...
@@ -533,15 +570,8 @@ __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsig
   auto softmax = [&](float(&sacc)[kSn][4], int j, float(&corr)[2]) {
     const int ts = w.kv_begin + j * kBlockN;
     const float f = p.scale_log2;
-    if (ts + kBlockN > mask_from) {
-#pragma unroll
-      for (int nt = 0; nt < kSn; ++nt) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int key = ts + nt * 8 + 2 * t4 + (c & 1);
-          if (key >= hi[c >> 1]) sacc[nt][c] = -INFINITY;
-        }
-      }
+    if (ts + kBlockN > bounds.mask_from) {
+      mask_scores(sacc, bounds, ts, t4);
     }
     float base[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -668,14 +698,7 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
   const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
   const int row_a = 16 * warp + g;
 
-  int hi[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row_a + 8 * h;
-    hi[h] = row < w.num_rows ? min(w.kv_len - w.q_len + (w.row0 + row) / p.num_heads + 1, w.kv_end)
-                             : w.kv_end;
-  }
-  const int mask_from = min(w.kv_len - w.q_len + w.row0 / p.num_heads + 1, w.kv_end);
+  const RowBounds bounds = row_bounds(p, w, row_a);
 
   float o[32][4];
   float o_pe[8][4];
@@ -716,15 +739,8 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
 
     const int ts = w.kv_begin + j * kBlockN + cw * kHalf;  // first key of this half
     const float f = p.scale_log2;
-    if (w.kv_begin + j * kBlockN + kBlockN > mask_from) {
-#pragma unroll
-      for (int nt = 0; nt < kSn; ++nt) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int key = ts + nt * 8 + 2 * t4 + (c & 1);
-          if (key >= hi[c >> 1]) sacc[nt][c] = -INFINITY;
-        }
-      }
+    if (w.kv_begin + j * kBlockN + kBlockN > bounds.mask_from) {
+      mask_scores(sacc, bounds, ts, t4);
     }
     float mx[2];
 #pragma unroll
@@ -806,13 +822,7 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
   // Row sums: thread ct of the other warpgroup holds the same rows' sums over the other half
   // of the keys; exchanged through the P panel, free once both warpgroups are past their last
   // P V (the barrier).
-  float* const lx = reinterpret_cast<float*>(p_tile);  // [2 warpgroups][128 threads][2]
-  sm90::named_barrier_sync(kBarConsumers, 256);
-  lx[(cw * 128 + ct) * 2] = l[0];
-  lx[(cw * 128 + ct) * 2 + 1] = l[1];
-  sm90::named_barrier_sync(kBarConsumers, 256);
-  l[0] += lx[((1 - cw) * 128 + ct) * 2];
-  l[1] += lx[((1 - cw) * 128 + ct) * 2 + 1];
+  add_other_row_sums(l, reinterpret_cast<float*>(p_tile), cw, ct);
   store_rows<T>(p, w, o, o_pe, m, l, row_a, t4, cw);
 }
 
@@ -831,7 +841,7 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
   constexpr bool kBF16 = T::act == DType::kBF16;
   constexpr bool kHasPe = kC == 1;
   constexpr Layout lay = T::layout();
-  constexpr int kBarConsumers = 2, kBarMax = 3, kBarP = 5;  // + the owner warpgroup
+  constexpr int kBarMax = 3, kBarP = 5;  // + the owner warpgroup (2: add_other_row_sums)
   constexpr int kOther = 1 - kC;
   // Panels of this warpgroup's half: [kMine0, kMine1); the other half is the rest.
   constexpr int kMine0 = kC == 0 ? 0 : kHalfPanel, kMine1 = kC == 0 ? kHalfPanel : kPanels;
@@ -840,14 +850,7 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
   const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
   const int row_a = 16 * warp + g;
 
-  int hi[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row_a + 8 * h;
-    hi[h] = row < w.num_rows ? min(w.kv_len - w.q_len + (w.row0 + row) / p.num_heads + 1, w.kv_end)
-                             : w.kv_end;
-  }
-  const int mask_from = min(w.kv_len - w.q_len + w.row0 / p.num_heads + 1, w.kv_end);
+  const RowBounds bounds = row_bounds(p, w, row_a);
 
   float o[32][4];      // kv_c columns 256 kC + 8 i + 2 t4 + {0, 1}, rows row_a, row_a + 8
   float o_pe[kPe][4];  // warpgroup 1: k_pe columns 512 + 8 i + ...
@@ -978,15 +981,8 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
   auto softmax = [&](float(&sacc)[kSn][4], int j, float(&m_new)[2], float(&sum)[2]) {
     const int ts = w.kv_begin + j * kBlockN;
     const float f = p.scale_log2;
-    if (ts + kBlockN > mask_from) {
-#pragma unroll
-      for (int nt = 0; nt < kSn; ++nt) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int key = ts + nt * 8 + 2 * t4 + (c & 1);
-          if (key >= hi[c >> 1]) sacc[nt][c] = -INFINITY;
-        }
-      }
+    if (ts + kBlockN > bounds.mask_from) {
+      mask_scores(sacc, bounds, ts, t4);
     }
     float base[2];
 #pragma unroll
@@ -1084,13 +1080,7 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
 
   // Row sums of the other warpgroup's tiles (same rows, same final maxima) through the P
   // panel, free once both are past their last P V.
-  float* const lx = reinterpret_cast<float*>(p_tile);  // [2 warpgroups][128 threads][2]
-  sm90::named_barrier_sync(kBarConsumers, 256);
-  lx[(kC * 128 + ct) * 2] = l[0];
-  lx[(kC * 128 + ct) * 2 + 1] = l[1];
-  sm90::named_barrier_sync(kBarConsumers, 256);
-  l[0] += lx[(kOther * 128 + ct) * 2];
-  l[1] += lx[(kOther * 128 + ct) * 2 + 1];
+  add_other_row_sums(l, reinterpret_cast<float*>(p_tile), kC, ct);
   store_rows<T, kPe, 1>(p, w, o, o_pe, m_ref, l, row_a, t4, kC);
 }
 
