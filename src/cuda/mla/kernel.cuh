@@ -418,6 +418,51 @@ __device__ __forceinline__ void mask_scores(float (&sacc)[kSn][4], const RowBoun
   }
 }
 
+// Row h's (row_a + 8 h) maximum over this thread's scores and then its quad's (a quad holds
+// a row's keys).
+template <int kSn>
+__device__ __forceinline__ float quad_row_max(const float (&sacc)[kSn][4], int h) {
+  float mx = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < kSn; ++nt) mx = fmaxf(mx, fmaxf(sacc[nt][2 * h], sacc[nt][2 * h + 1]));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  return fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+}
+
+// Scores to P in place, in log2 units (one FFMA per score: the scale joins the exponent),
+// each row's P added to sum[h].
+template <int kSn>
+__device__ __forceinline__ void exp_scores(float (&sacc)[kSn][4], float f, const float (&base)[2],
+                                           float (&sum)[2]) {
+#pragma unroll
+  for (int nt = 0; nt < kSn; ++nt) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      sacc[nt][c] = sm80::exp2_approx(fmaf(sacc[nt][c], f, -base[c >> 1]));
+      sum[c >> 1] += sacc[nt][c];
+    }
+  }
+}
+
+// An accumulator's rows scaled: row_a's columns by s[0], row_a + 8's by s[1].
+template <int kN>
+__device__ __forceinline__ void scale_rows(float (&o)[kN][4], const float (&s)[2]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) o[i][0] *= s[0], o[i][1] *= s[0], o[i][2] *= s[1], o[i][3] *= s[1];
+}
+
+// P as the A fragments of an RS P V (the S accumulator layout is wgmma's register-A layout).
+template <DType kAct, int kSn>
+__device__ __forceinline__ void pack_p(const float (&sacc)[kSn][4], uint32_t (&pa)[kSn / 2][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kSn / 2; ++kk) {
+    pa[kk][0] = pack2<kAct>(sacc[2 * kk][0], sacc[2 * kk][1]);
+    pa[kk][1] = pack2<kAct>(sacc[2 * kk][2], sacc[2 * kk][3]);
+    pa[kk][2] = pack2<kAct>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
+    pa[kk][3] = pack2<kAct>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
+  }
+}
+
 // The consumer warpgroups that count row sums over different keys (split-S, seesaw) add them:
 // thread ct of warpgroup cw swaps its two rows' sums with thread ct of the other through `xs`
 // (2 x 128 x 2 floats of shared memory no wgmma reads any more; named barrier 2).
@@ -576,47 +621,21 @@ __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsig
     float base[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < kSn; ++nt) mx = fmaxf(mx, fmaxf(sacc[nt][2 * h], sacc[nt][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a quad holds a row's keys
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[h], mx * f);
+      const float m_new = fmaxf(m[h], quad_row_max(sacc, h) * f);
       base[h] = m_new == -INFINITY ? 0.0f : m_new;  // no visible key yet: no NaN
       corr[h] = sm80::exp2_approx(m[h] - base[h]);
       m[h] = m_new;
     }
-#pragma unroll
-    for (int nt = 0; nt < kSn; ++nt) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        sacc[nt][c] = sm80::exp2_approx(fmaf(sacc[nt][c], f, -base[c >> 1]));
-        sum[c >> 1] += sacc[nt][c];
-      }
-    }
+    exp_scores(sacc, f, base, sum);
 #pragma unroll
     for (int h = 0; h < 2; ++h) l[h] = l[h] * corr[h] + sum[h];
   };
   auto rescale = [&](const float(&corr)[2]) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      o[i][0] *= corr[0], o[i][1] *= corr[0], o[i][2] *= corr[1], o[i][3] *= corr[1];
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      o_pe[i][0] *= corr[0], o_pe[i][1] *= corr[0], o_pe[i][2] *= corr[1], o_pe[i][3] *= corr[1];
-    }
+    scale_rows(o, corr);
+    scale_rows(o_pe, corr);
   };
   // P as the A fragments of P V (the S accumulator layout is wgmma's register-A layout).
-  auto pack = [&](const float(&sacc)[kSn][4]) {
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      pa[kk][0] = pack2<T::act>(sacc[2 * kk][0], sacc[2 * kk][1]);
-      pa[kk][1] = pack2<T::act>(sacc[2 * kk][2], sacc[2 * kk][3]);
-      pa[kk][2] = pack2<T::act>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
-      pa[kk][3] = pack2<T::act>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
-    }
-  };
+  auto pack = [&](const float(&sacc)[kSn][4]) { pack_p<T::act>(sacc, pa); };
   auto full_parity = [](int j) { return uint32_t((j / kStages) & 1); };
   mbar_wait(bars.q_full(), 0);
   // Straight-line wgmma groups (prologue, unconditional loop, epilogue): ptxas serialises the
@@ -745,13 +764,7 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
     float mx[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      mx[h] = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < kSn; ++nt) {
-        mx[h] = fmaxf(mx[h], fmaxf(sacc[nt][2 * h], sacc[nt][2 * h + 1]));
-      }
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      mx[h] = quad_row_max(sacc, h);
       if (t4 == 0) xchg[cw * kBlockM + row_a + 8 * h] = mx[h];
     }
     // Both halves' maxima are in; both warpgroups are also past the P V of tile j - 1, which
@@ -766,24 +779,11 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
       corr[h] = sm80::exp2_approx(m[h] - base[h]);
       m[h] = m_new;
     }
-#pragma unroll
-    for (int nt = 0; nt < kSn; ++nt) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        sacc[nt][c] = sm80::exp2_approx(fmaf(sacc[nt][c], f, -base[c >> 1]));
-        sum[c >> 1] += sacc[nt][c];
-      }
-    }
+    exp_scores(sacc, f, base, sum);
 #pragma unroll
     for (int h = 0; h < 2; ++h) l[h] = l[h] * corr[h] + sum[h];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      o[i][0] *= corr[0], o[i][1] *= corr[0], o[i][2] *= corr[1], o[i][3] *= corr[1];
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      o_pe[i][0] *= corr[0], o_pe[i][1] *= corr[0], o_pe[i][2] *= corr[1], o_pe[i][3] *= corr[1];
-    }
+    scale_rows(o, corr);
+    scale_rows(o_pe, corr);
     // This half of P into the panel (K-major A operand: key k of row r is 16-bit element k of
     // the row's 128 bytes): keys 32 cw + 8 nt + 2 t4 + {0, 1} are chunk 4 cw + nt, bytes 4 t4.
 #pragma unroll
@@ -953,16 +953,8 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
       l[h] *= sc[h];
     }
     if (__any_sync(0xffffffffu, sc[0] != 1.0f || sc[1] != 1.0f)) {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        o[i][0] *= sc[0], o[i][1] *= sc[0], o[i][2] *= sc[1], o[i][3] *= sc[1];
-      }
-      if constexpr (kHasPe) {
-#pragma unroll
-        for (int i = 0; i < kPe; ++i) {
-          o_pe[i][0] *= sc[0], o_pe[i][1] *= sc[0], o_pe[i][2] *= sc[1], o_pe[i][3] *= sc[1];
-        }
-      }
+      scale_rows(o, sc);
+      if constexpr (kHasPe) scale_rows(o_pe, sc);
     }
   };
   // The other warpgroup's tile j: its maxima (O moved to them), then its P V from the panel
@@ -987,25 +979,13 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
     float base[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < kSn; ++nt) mx = fmaxf(mx, fmaxf(sacc[nt][2 * h], sacc[nt][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      m_new[h] = fmaxf(m_ref[h], mx * f);
+      m_new[h] = fmaxf(m_ref[h], quad_row_max(sacc, h) * f);
       if (t4 == 0) xchg[kC * kBlockM + row_a + 8 * h] = m_new[h];
       base[h] = m_new[h] == -INFINITY ? 0.0f : m_new[h];
       sum[h] = 0.0f;
     }
     sm90::named_barrier_arrive(kBarMax + kC, 256);
-#pragma unroll
-    for (int nt = 0; nt < kSn; ++nt) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        sacc[nt][c] = sm80::exp2_approx(fmaf(sacc[nt][c], f, -base[c >> 1]));
-        sum[c >> 1] += sacc[nt][c];
-      }
-    }
+    exp_scores(sacc, f, base, sum);
   };
   // After this warpgroup's last P V read the panel: O to the new maxima, P_j into the panel
   // for the other warpgroup and into pa for this one's RS P V.
@@ -1023,13 +1003,7 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
     }
     ptx::fence_proxy_async(ptx::space_shared);  // generic stores, read next by wgmma
     sm90::named_barrier_arrive(kBarP + kC, 256);
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      pa[kk][0] = pack2<T::act>(sacc[2 * kk][0], sacc[2 * kk][1]);
-      pa[kk][1] = pack2<T::act>(sacc[2 * kk][2], sacc[2 * kk][3]);
-      pa[kk][2] = pack2<T::act>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
-      pa[kk][3] = pack2<T::act>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
-    }
+    pack_p<T::act>(sacc, pa);
   };
 
   mbar_wait(bars.q_full(), 0);
