@@ -84,12 +84,14 @@ constexpr Layout layout_for(KVKind kv, Consumer c) {
   return s;
 }
 
-/// One compiled MLA kernel. kC = kSplitS (the default route, measured faster on the H200 than
-/// kRedundant: h16 0.78 vs 0.57 of the copy rate, h128 377 vs 287 TFLOP/s): each consumer
+/// One compiled MLA kernel. kC = kSplitS (the default for fp8 caches and up to 64 heads,
+/// measured faster on the H200 than kRedundant: h16 0.78 vs 0.57 of the copy rate, h128 377 vs
+/// 287 TFLOP/s): each consumer
 /// warpgroup computes S for 32 of the 64 keys, the row maxima and P go through shared memory,
 /// and both run P V over the whole tile from there, so S is computed once (FlashMLA's
 /// division). kRedundant (PAGEDATTN_CUDA_MLA=redundant): both compute the whole S of a tile.
-/// kSeesaw (PAGEDATTN_CUDA_MLA=seesaw): FlashMLA's schedule, see kernel.cuh.
+/// kSeesaw (PAGEDATTN_CUDA_MLA=seesaw; the default for 16-bit caches above 64 heads, see
+/// default_consumer()): FlashMLA's schedule, see kernel.cuh.
 template <DType kAct, KVKind kKV, Consumer kC>
 struct Traits {
   static constexpr DType act = kAct;
