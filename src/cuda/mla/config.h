@@ -107,10 +107,18 @@ struct Traits {
   /// accumulate their own 256 of the 512 kv_c columns, plus (both, redundantly) the 64 k_pe
   /// columns: 160 fp32 accumulators per thread.
   static constexpr int kThreads = 384;
-  /// setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 <= 65536 registers.
+  /// setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 <= 65536 registers (a build that traces
+  /// the producer, trace.cuh, gives it room for its records: 128 x 40 + 256 x 232).
+#ifdef PAGEDATTN_MLA_TRACE_PRODUCER
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+#else
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
-  static constexpr Layout layout() { return layout_for(kKV, kC); }
+#endif
+  static constexpr Layout layout() {
+    return layout_for(kKV, kC);
+  }
   static_assert(layout().total <= kMaxSmemPerCta);
   static_assert(layout().p_offset % 1024 == 0, "P is a swizzled wgmma operand");
 };

@@ -19,9 +19,9 @@
 //             next tile's lookup is in flight during this tile's copies (ncu: the producer set
 //             the pace before); completion arrives on the stage's `full` mbarrier. With
 //             p.kv_tma, full tiles of a 16-bit cache come instead by TMA (one box per panel
-//             and block, issued by thread 0 with the tile's byte count). fp8 caches: the
-//             raw tile lands in a natural-order buffer (two of them, so the next tile's copies
-//             are in flight), each thread widens the chunks it copied into the 16-bit stage.
+//             and block, issued by thread 0 with the tile's byte count, L2 evict-first). fp8
+//             caches: the raw tile lands in a natural-order buffer (two of them, so the next tile's
+//             copies are in flight), each thread widens the chunks it copied into the 16-bit stage.
 //   redundant (PAGEDATTN_CUDA_MLA=redundant, kept as a comparison: 1.2-1.4x slower on the
 //             H200) warpgroups 1 and 2 (consumers, 240 registers) both compute the same S (wgmma
 //             SS, m64n64k16, 36 k steps) and softmax, then each accumulates O += P V for its 256 of
@@ -69,12 +69,14 @@
 #include <type_traits>
 
 #include "cuda/arch/sm80/ptx.cuh"
+#include "cuda/arch/sm90/bulk_copy.cuh"
 #include "cuda/arch/sm90/wgmma.cuh"
 #include "cuda/common/check.h"
 #include "cuda/common/dtypes.cuh"
 #include "cuda/mla/config.h"
 #include "cuda/mla/launch.h"
 #include "cuda/mla/params.h"
+#include "cuda/mla/trace.cuh"
 
 namespace pagedattn::cuda::mla {
 
@@ -278,20 +280,27 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
     // others only arrive; the split's last, partial tile still goes by cp.async (its rows past
     // the split read the last key, which a box cannot do).
     const int box_rows = min(p.block_size, kBlockN);
+    // A request's lines are read by its M-tile CTAs and then never again: marked evict-first
+    // ([H100] 0.5-1.6% faster at 16 and 128 heads; FlashMLA marks its K loads the same way).
+    const uint64_t evict_first = sm80::l2_evict_first_policy();
     using P0 = std::integral_constant<int, 0>;
     using PH = std::integral_constant<int, T::kHalves == 2 ? kHalfPanel : kPanels>;
     using P9 = std::integral_constant<int, kPanels>;
+    PAGEDATTN_MLA_TRACE_BEGIN(tr, 0);
     for (int j = 0; j < n_tiles; ++j) {
       const int s = j % kStages;
+      PAGEDATTN_MLA_TRACE_AT(tr, 0, j);
       const int64_t* table = publish(j, next_off);
+      PAGEDATTN_MLA_TRACE_AT(tr, 1, j);
       next_off = lookup(j + 1);
       unsigned char* const stage = smem + lay.stage_offset + s * lay.stage_bytes;
       const bool tma = p.kv_tma && w.kv_begin + (j + 1) * kBlockN <= w.kv_end;
       // Half h = panels [k0, k1) of the tile: wait until its readers freed it, then bring it.
       // The seesaw's owner of tile j (warpgroup j % 2) frees its half of tile j - 2 first.
-      auto bring = [&](int h, auto k0, auto k1) {
+      auto bring = [&](int h, auto k0, auto k1, [[maybe_unused]] int ev) {
         constexpr int kFirst = decltype(k0)::value, kEnd = decltype(k1)::value;
         mbar_wait(bars.empty(s, h), ((j / kStages) & 1) ^ 1);  // tile j - kStages released
+        PAGEDATTN_MLA_TRACE_AT(tr, ev, j);
         if (tma) {
           if (ct == 0) {
             ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
@@ -303,9 +312,8 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
 #pragma unroll
               for (int k = kFirst; k < kEnd; ++k) {
                 const int32_t at[3] = {64 * k, in_block, block};
-                ptx::cp_async_bulk_tensor(ptx::space_shared, ptx::space_global,
-                                          stage + k * lay.kv_panel + b * 128, &p.kv_map, at,
-                                          bars.full(s, h));
+                sm90::tma_load_3d_hint(stage + k * lay.kv_panel + b * 128, &p.kv_map, at,
+                                       bars.full(s, h), evict_first);
               }
             }
           } else {
@@ -316,18 +324,20 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
                     k1);
           ptx::cp_async_mbarrier_arrive_noinc(bars.full(s, h));
         }
+        PAGEDATTN_MLA_TRACE_AT(tr, ev + 1, j);
       };
       if constexpr (T::kHalves == 1) {
-        bring(0, P0{}, P9{});
+        bring(0, P0{}, P9{}, 2);
       } else if ((j & 1) == 0) {
-        bring(0, P0{}, PH{});
-        bring(1, PH{}, P9{});
+        bring(0, P0{}, PH{}, 2);
+        bring(1, PH{}, P9{}, 4);
       } else {
-        bring(1, PH{}, P9{});
-        bring(0, P0{}, PH{});
+        bring(1, PH{}, P9{}, 2);
+        bring(0, P0{}, PH{}, 4);
       }
     }
     sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
+    PAGEDATTN_MLA_TRACE_PRINT(tr);
   } else {
     // Raw fp8 rows (576 bytes, 36 chunks) into raw buffer j % 2 in natural order; the thread
     // that copied a chunk widens it, so its own cp.async.wait_group is all the ordering needed.
@@ -851,6 +861,7 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
   const int row_a = 16 * warp + g;
 
   const RowBounds bounds = row_bounds(p, w, row_a);
+  PAGEDATTN_MLA_TRACE_BEGIN(tr, 1 + kC);
 
   float o[32][4];      // kv_c columns 256 kC + 8 i + 2 t4 + {0, 1}, rows row_a, row_a + 8
   float o_pe[kPe][4];  // warpgroup 1: k_pe columns 512 + 8 i + ...
@@ -902,6 +913,7 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
       }
     };
     wait_half(j, kC);
+    PAGEDATTN_MLA_TRACE_AT(tr, 5, j);
     sm90::fence_operands(sacc);
     sm90::wgmma_fence();
     steps(4 * kMine0, 4 * kMine1, true);
@@ -909,6 +921,7 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
     // the wait's divergent path and serialise the wgmmas (C7520).
     sm90::wgmma_commit();
     wait_half(j, kOther);
+    PAGEDATTN_MLA_TRACE_AT(tr, 6, j);
     sm90::fence_operands(sacc);
     sm90::wgmma_fence();
     if constexpr (kC == 0) {
@@ -962,10 +975,13 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
   // completed phase, so that this warpgroup itself observes the copies).
   auto join_other = [&](int j) {
     sm90::named_barrier_sync(kBarMax + kOther, 256);
+    PAGEDATTN_MLA_TRACE_AT(tr, 2, j + 1);
     const float m_j[2] = {xchg[kOther * kBlockM + row_a], xchg[kOther * kBlockM + row_a + 8]};
     move_to(m_j);
     sm90::named_barrier_sync(kBarP + kOther, 256);
+    PAGEDATTN_MLA_TRACE_AT(tr, 3, j + 1);
     wait_half(j, kC);
+    PAGEDATTN_MLA_TRACE_AT(tr, 4, j + 1);
     issue_pv(j, std::false_type{});
   };
   // Own tile j, S done: mask, the chain's new maxima (published at once: the other warpgroup's
@@ -1023,23 +1039,30 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
   for (; j < n_tiles; j += 2) {
     // This warpgroup's P V of tile j - 2 done: its half of the stage is freed before tile j
     // is awaited (the producer refills it only when it is free).
+    PAGEDATTN_MLA_TRACE_AT(tr, 0, j);
     sm90::wgmma_wait<0>();
     keep_pa();
     fence_o();
     if (j >= 2) release(j - 2);
+    PAGEDATTN_MLA_TRACE_AT(tr, 1, j);
     float sacc[kSn][4], m_new[2], sum[2];
     // The other's P V before S_j: its half of tile j - 1 frees ~one S earlier, and the
     // producer refills it sooner ([H100] 1.5-3.5% at 128 heads over S_j first).
     join_other(j - 1);
     issue_s(sacc, j);
     sm90::wgmma_wait<2>();  // P_{j-1} V done; S_j's two groups still run
+    PAGEDATTN_MLA_TRACE_AT(tr, 7, j);
     fence_o();
     release(j - 1);
     sm90::wgmma_wait<0>();
+    PAGEDATTN_MLA_TRACE_AT(tr, 8, j);
     sm90::fence_operands(sacc);
     softmax(sacc, j, m_new, sum);
+    PAGEDATTN_MLA_TRACE_AT(tr, 9, j);
     publish_p(sacc, m_new, sum);
+    PAGEDATTN_MLA_TRACE_AT(tr, 10, j);
     issue_pv(j, std::true_type{});
+    PAGEDATTN_MLA_TRACE_AT(tr, 11, j);
   }
   sm90::wgmma_wait<0>();
   keep_pa();
@@ -1056,6 +1079,7 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
   // panel, free once both are past their last P V.
   add_other_row_sums(l, reinterpret_cast<float*>(p_tile), kC, ct);
   store_rows<T, kPe, 1>(p, w, o, o_pe, m_ref, l, row_a, t4, kC);
+  PAGEDATTN_MLA_TRACE_PRINT(tr);
 }
 
 template <class T>

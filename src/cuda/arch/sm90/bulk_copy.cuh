@@ -44,6 +44,25 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
 #endif
 }
 
+/// A 3-D tiled TMA load of the box at `coords` of `map` into shared `dst`, counted on `bar` as
+/// it lands, with the L2 eviction `policy` (createpolicy's operand) on its reads.
+__device__ __forceinline__ void tma_load_3d_hint(void* dst, const void* map,
+                                                 const int32_t (&coords)[3], uint64_t* bar,
+                                                 uint64_t policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".L2::cache_hint [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(
+          static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+      "l"(map), "r"(coords[0]), "r"(coords[1]), "r"(coords[2]),
+      "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "l"(policy)
+      : "memory");
+#else
+  (void)dst, (void)map, (void)coords, (void)bar, (void)policy;
+  __trap();
+#endif
+}
+
 /// Spins until the phase of `bar` with parity `parity` has completed (its copies are visible).
 __device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
