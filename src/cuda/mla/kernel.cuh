@@ -9,7 +9,7 @@
 //             the layer up-projects, 512..575 are P k_pe so the generic contract, output head
 //             size = head size, holds exactly); natural-log LSE on request; split-KV partials
 //             for the combine (combine.cuh).
-//   grid      x = num_m_tiles * num_seqs (request fastest), y = num_splits. A CTA owns kBlockM
+//   grid      x = num_seqs * num_m_tiles (M tile fastest), y = num_splits. A CTA owns kBlockM
 //             = 64 packed rows (row p = token p / N, head p % N; zero rows past the request) and
 //             the keys of its split, whole 64-key tiles.
 //   warps     384 threads. Warpgroup 0 (producer, 24 registers) copies Q once and every K tile
@@ -101,8 +101,11 @@ struct Work {
 
 // False when the CTA has no rows (an M tile past its request's q_len * N rows).
 __device__ __forceinline__ bool mla_work(const MlaParams& p, Work& w) {
-  const int x = int(blockIdx.x), tile = x / p.num_seqs;
-  w.r = x - tile * p.num_seqs;
+  // A request's M tiles, which read the same K/V tiles, are adjacent CTAs: [H100] 3-4% faster
+  // at 128 heads than request-fastest (the pair num_seqs CTAs apart); 16 heads unchanged.
+  const int x = int(blockIdx.x);
+  w.r = x / p.num_m_tiles;
+  const int tile = x - w.r * p.num_m_tiles;
   w.q_begin = p.query_start_loc[w.r];
   w.q_len = p.query_start_loc[w.r + 1] - w.q_begin;
   w.kv_len = p.seq_lens[w.r];

@@ -36,7 +36,7 @@ struct MlaParams {
   int num_seqs;
   int num_heads;  ///< N: packed row p of a request = (token p / N, head p % N)
   int block_size;
-  int num_m_tiles;        ///< ceil(max_query_len * N / 64): grid.x = num_m_tiles * num_seqs
+  int num_m_tiles;        ///< ceil(max_query_len * N / 64): grid.x = num_seqs * num_m_tiles
   int num_actual_tokens;  ///< T_a: rows of the split partials and of the combine
 
   float scale_log2;  ///< scale * k_scale * log2(e): q.k -> logit in log2 units
