@@ -15,7 +15,8 @@
 # separated) and ROUNDS (default 2) change the timing part; CHECK=0 skips the checks (about 50 s
 # per build on an H100: give the call's timeout room for both parts), CHECK=a,b checks only the
 # builds named a and b. Writes $OUT/ab_mla.txt and
-# $OUT/ab_mla_logs.tar.gz (few files: the device returns a limited number).
+# $OUT/ab_mla_logs.tar.gz (few files: the device returns a limited number); the table ends with
+# every build's time per round.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-$PWD/build/h200-ab-mla}"
@@ -72,14 +73,17 @@ import glob, re, sys
 from collections import defaultdict
 out, names = sys.argv[1], sys.argv[2:]
 best = defaultdict(dict)  # label -> name -> us
+rounds = defaultdict(list)  # (label, name) -> [(round, us)]
 pat = re.compile(r"^(.*?)\s+([0-9.]+) us\s+([0-9]+) GB/s\s+([0-9.]+) x copy\s+([0-9.]+) TFLOP/s")
 for n in names:
     for f in glob.glob(f"{out}/mla_{n}_r*_*.log"):
+        r = int(re.search(rf"mla_{re.escape(n)}_r([0-9]+)_", f).group(1))
         for line in open(f):
             m = pat.match(line)
             if m:
                 lab, us = m.group(1).strip(), float(m.group(2))
                 best[lab][n] = min(us, best[lab].get(n, 1e30))
+                rounds[(lab, n)].append((r, us))
 print(f"{'point':44s}" + "".join(f"{n:>12s}" for n in names) + "".join(
     f"{n + '/' + names[0]:>16s}" for n in names[1:]))
 for lab, d in best.items():
@@ -89,5 +93,10 @@ for lab, d in best.items():
                     for n in names[1:])
     print(f"{lab:44s}{row}{ratio}")
 print("(best of the rounds; ratio = first build's time / this build's: above 1 is faster)")
+print("per round (us, round 1 first):")
+for lab in best:
+    for n in names:
+        if rounds[(lab, n)]:
+            print(f"  {lab:44s} {n:>10s} " + " ".join(f"{us:.1f}" for _, us in sorted(rounds[(lab, n)])))
 PY
 tar -czf "$OUT/ab_mla_logs.tar.gz" -C "$O" .
