@@ -11,7 +11,10 @@
 //   test      backend_ops mla cases with splits (forced and planned); timed in bench_mla.
 #pragma once
 
-#include "cuda/mla/kernel.cuh"
+#include "cuda/arch/sm80/ptx.cuh"
+#include "cuda/common/dtypes.cuh"
+#include "cuda/mla/common.cuh"
+#include "cuda/mla/launch.h"
 
 namespace pagedattn::cuda::mla {
 

@@ -1,0 +1,90 @@
+// The MLA decode kernels' shared pieces: what one CTA computes (its request, rows and keys), the
+// CTA's mbarriers and the launch with programmatic dependent launch. The map is kernel.cuh's.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cuda/ptx>
+
+#include "cuda/arch/sm80/ptx.cuh"
+#include "cuda/common/check.h"
+#include "cuda/mla/config.h"
+#include "cuda/mla/params.h"
+
+namespace pagedattn::cuda::mla {
+
+namespace ptx = ::cuda::ptx;
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ int ceil_div(int a, int b) {
+  return (a + b - 1) / b;
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  while (!ptx::mbarrier_try_wait_parity(bar, parity)) {
+  }
+}
+
+// What one CTA computes: request r, packed rows [row0, row0 + num_rows), keys [kv_begin, kv_end).
+struct Work {
+  int r, row0, num_rows, q_begin, q_len, kv_len, kv_begin, kv_end;
+};
+
+// False when the CTA has no rows (an M tile past its request's q_len * N rows).
+__device__ __forceinline__ bool mla_work(const MlaParams& p, Work& w) {
+  // A request's M tiles, which read the same K/V tiles, are adjacent CTAs: [H100] 3-4% faster
+  // at 128 heads than request-fastest (the pair num_seqs CTAs apart); 16 heads unchanged.
+  const int x = int(blockIdx.x);
+  w.r = x / p.num_m_tiles;
+  const int tile = x - w.r * p.num_m_tiles;
+  w.q_begin = p.query_start_loc[w.r];
+  w.q_len = p.query_start_loc[w.r + 1] - w.q_begin;
+  w.kv_len = p.seq_lens[w.r];
+  w.row0 = tile * kBlockM;
+  const int rows_total = w.q_len * p.num_heads;
+  if (w.row0 >= rows_total) return false;
+  w.num_rows = min(kBlockM, rows_total - w.row0);
+  // The last row sees the most keys; every key before it is in some row's range.
+  const int last_token = (w.row0 + w.num_rows - 1) / p.num_heads;
+  const int range_hi = max(0, w.kv_len - w.q_len + last_token + 1);
+  const int chunk = ceil_div(ceil_div(range_hi, p.num_splits), kSplitAlign) * kSplitAlign;
+  w.kv_begin = min(int(blockIdx.y) * chunk, range_hi);
+  w.kv_end = min(w.kv_begin + chunk, range_hi);
+  return true;
+}
+
+// The CTA's mbarriers: q_full, then full[kStages][kHalves] (producer -> consumers) and
+// empty[kStages][kHalves] (consumers -> producer); h: the half of a stage (config.h).
+template <int kStages, int kHalves>
+struct Barriers {
+  uint64_t* base;
+  __device__ uint64_t* q_full() const { return base; }
+  __device__ uint64_t* full(int s, int h = 0) const { return base + 1 + s * kHalves + h; }
+  __device__ uint64_t* empty(int s, int h = 0) const {
+    return base + 1 + (kStages + s) * kHalves + h;
+  }
+};
+
+// Launches `kernel(p)` with programmatic stream serialization allowed (both MLA kernels open
+// with the griddepcontrol pair): the combine's CTAs are resident before the attention kernel
+// ends, and the next layer's before the combine ends.
+inline void launch_with_pdl(void (*kernel)(MlaParams), dim3 grid, dim3 block, int smem,
+                            cudaStream_t stream, const MlaParams& p) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  PAGEDATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  PAGEDATTN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace pagedattn::cuda::mla

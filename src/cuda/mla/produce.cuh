@@ -1,0 +1,222 @@
+// The MLA decode kernel's producer warpgroup: Q once, then every K tile of the split into the
+// stage ring (16-bit caches by TMA boxes or cp.async, fp8 caches widened). See kernel.cuh's map.
+#pragma once
+
+#include <cstdint>
+#include <cuda/ptx>
+#include <type_traits>
+
+#include "cuda/arch/sm80/ptx.cuh"
+#include "cuda/arch/sm90/bulk_copy.cuh"
+#include "cuda/arch/sm90/wgmma.cuh"
+#include "cuda/common/dtypes.cuh"
+#include "cuda/mla/common.cuh"
+#include "cuda/mla/trace.cuh"
+
+namespace pagedattn::cuda::mla {
+
+template <class T>
+__device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsigned char* smem,
+                                        Barriers<T::kStages, T::kHalves> bars, int n_tiles) {
+  constexpr int kStages = T::kStages;
+  constexpr int kQChunks = kEntry / 8;                      // 72 chunks of 16 bytes per Q row
+  constexpr int kRowChunks = kEntry * T::kCacheBytes / 16;  // 72 (16-bit) or 36 (fp8) per key
+  constexpr bool kFp8 = T::kv == KVKind::kFp8;
+  constexpr Layout lay = T::layout();
+  sm90::setmaxnreg_dec<T::kProducerRegs>();
+  const int ct = int(threadIdx.x);
+
+  // Q: packed row i -> token (row0 + i) / N, head (row0 + i) % N; zeros past the rows.
+  const uint32_t q_smem = sm80::smem_addr(smem + lay.q_offset);
+  for (int c = ct; c < kBlockM * kQChunks; c += 128) {
+    const int row = c / kQChunks, col = c - row * kQChunks;
+    const char* src = static_cast<const char*>(p.q);
+    int bytes = 0;
+    if (row < w.num_rows) {
+      const int pr = w.row0 + row;
+      const int tok = w.q_begin + pr / p.num_heads, head = pr % p.num_heads;
+      src += (int64_t(tok) * p.q_stride_token + int64_t(head) * p.q_stride_head + col * 8) * 2;
+      bytes = 16;
+    }
+    sm80::cp_async_16(q_smem + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7), src,
+                      bytes, 0);
+  }
+  if constexpr (kFp8) sm80::cp_async_commit();  // the fp8 path counts its tiles in groups
+  ptx::cp_async_mbarrier_arrive_noinc(bars.q_full());
+
+  const int64_t sb = p.kv_stride_block * T::kCacheBytes, sp = p.kv_stride_page * T::kCacheBytes;
+  const char* const cache = static_cast<const char*>(p.kv);
+  const int bs_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
+  const int32_t* const bt_row = p.block_table + int64_t(w.r) * p.block_table_stride_seq;
+  int64_t* const tables = reinterpret_cast<int64_t*>(smem + lay.table_offset);
+
+  // Row byte offsets of a tile, in two steps so that the block-table read of tile j + 1 is in
+  // flight while tile j's copies are issued (ncu: the producer, not the consumers, set the
+  // pace, with that dependent global load on its path every tile). Rows past the split read
+  // the split's last key (finite bytes whose scores are masked and whose P is 0), so the
+  // copies need no zero-fill predicate.
+  // A row is kept as {block id, row in block} (high and low 32 bits): the TMA path needs the
+  // pair, the cp.async path its byte offset (row_bytes).
+  auto lookup = [&](int j) -> int64_t {
+    if (ct >= kBlockN || j >= n_tiles) return 0;
+    const int pos = min(w.kv_begin + j * kBlockN + ct, w.kv_end - 1);
+    const int lb = bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size;
+    const int in_block = pos - lb * p.block_size;
+    return int64_t(uint64_t(uint32_t(bt_row[int64_t(lb) * p.block_table_stride_block])) << 32 |
+                   uint32_t(in_block));
+  };
+  auto row_bytes = [&](int64_t row) {
+    return int64_t(uint32_t(uint64_t(row) >> 32)) * sb + int64_t(uint32_t(row)) * sp;
+  };
+  // Slot j % 2; the barrier also tells every thread that tile j - 1's copies, which read the
+  // other slot, are issued before that slot is rewritten.
+  auto publish = [&](int j, int64_t off) {
+    int64_t* const table = tables + (j & 1) * kBlockN;
+    if (ct < kBlockN) table[ct] = off;
+    sm90::named_barrier_sync(1, 128);
+    return static_cast<const int64_t*>(table);
+  };
+  // Thread ct copies chunks l + kLanes k (k < kPer) of rows ct / kLanes + kRowsPerPass i: its
+  // column pattern and swizzle stay fixed, so a chunk is one copy with immediate offsets (the
+  // per-chunk division and table read were most of the producer's instructions).
+  constexpr int kLanes = kFp8 ? 4 : 8;  // 16-bit: chunk l + 8 k is panel k, column chunk l
+  constexpr int kPer = kRowChunks / kLanes;
+  constexpr int kRowsPerPass = 128 / kLanes;
+  static_assert(kPer * kLanes == kRowChunks && kBlockN % kRowsPerPass == 0);
+  const int lane_col = ct % kLanes, lane_row = ct / kLanes;
+  // This thread's copies of a tile whose rows `table` holds: chunk k of pass i lands at
+  // dst + k * chunk_step + i * pass_step (the swizzled panels, or the fp8 natural order).
+  // Chunks k in [k0, k1) of every row: the 16-bit panels of one half (seesaw) or all.
+  auto copy_rows = [&](const int64_t* table, uint32_t dst, int chunk_step, int pass_step, auto k0,
+                       auto k1) {
+#pragma unroll
+    for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+      const char* const src = cache + row_bytes(table[lane_row + kRowsPerPass * i]) + lane_col * 16;
+#pragma unroll
+      for (int k = decltype(k0)::value; k < decltype(k1)::value; ++k) {
+        sm80::cp_async_16(dst + k * chunk_step + i * pass_step, src + k * kLanes * 16, 16, 0);
+      }
+    }
+  };
+
+  int64_t next_off = lookup(0);
+  if constexpr (!kFp8) {
+    const uint32_t chunk_at = uint32_t(((lane_col ^ (lane_row & 7)) << 4) + lane_row * 128);
+    // TMA (p.kv_tma): thread 0 brings a whole tile as 9 panels x 64 / box_rows boxes, the
+    // others only arrive; the split's last, partial tile still goes by cp.async (its rows past
+    // the split read the last key, which a box cannot do).
+    const int box_rows = min(p.block_size, kBlockN);
+    // A request's lines are read by its M-tile CTAs and then never again: marked evict-first
+    // ([H100] 0.5-1.6% faster at 16 and 128 heads; FlashMLA marks its K loads the same way).
+    const uint64_t evict_first = sm80::l2_evict_first_policy();
+    using P0 = std::integral_constant<int, 0>;
+    using PH = std::integral_constant<int, T::kHalves == 2 ? kHalfPanel : kPanels>;
+    using P9 = std::integral_constant<int, kPanels>;
+    PAGEDATTN_MLA_TRACE_BEGIN(tr, 0);
+    for (int j = 0; j < n_tiles; ++j) {
+      const int s = j % kStages;
+      PAGEDATTN_MLA_TRACE_AT(tr, 0, j);
+      const int64_t* table = publish(j, next_off);
+      PAGEDATTN_MLA_TRACE_AT(tr, 1, j);
+      next_off = lookup(j + 1);
+      unsigned char* const stage = smem + lay.stage_offset + s * lay.stage_bytes;
+      const bool tma = p.kv_tma && w.kv_begin + (j + 1) * kBlockN <= w.kv_end;
+      // Half h = panels [k0, k1) of the tile: wait until its readers freed it, then bring it.
+      // The seesaw's owner of tile j (warpgroup j % 2) frees its half of tile j - 2 first.
+      auto bring = [&](int h, auto k0, auto k1, [[maybe_unused]] int ev) {
+        constexpr int kFirst = decltype(k0)::value, kEnd = decltype(k1)::value;
+        mbar_wait(bars.empty(s, h), ((j / kStages) & 1) ^ 1);  // tile j - kStages released
+        PAGEDATTN_MLA_TRACE_AT(tr, ev, j);
+        if (tma) {
+          if (ct == 0) {
+            ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
+                                           bars.full(s, h),
+                                           uint32_t(kBlockN * (kEnd - kFirst) * 128));
+            for (int b = 0; b < kBlockN; b += box_rows) {
+              const uint64_t row = uint64_t(table[b]);
+              const int32_t block = int32_t(row >> 32), in_block = int32_t(uint32_t(row));
+#pragma unroll
+              for (int k = kFirst; k < kEnd; ++k) {
+                const int32_t at[3] = {64 * k, in_block, block};
+                sm90::tma_load_3d_hint(stage + k * lay.kv_panel + b * 128, &p.kv_map, at,
+                                       bars.full(s, h), evict_first);
+              }
+            }
+          } else {
+            ptx::mbarrier_arrive(bars.full(s, h));
+          }
+        } else {
+          copy_rows(table, sm80::smem_addr(stage) + chunk_at, lay.kv_panel, kRowsPerPass * 128, k0,
+                    k1);
+          ptx::cp_async_mbarrier_arrive_noinc(bars.full(s, h));
+        }
+        PAGEDATTN_MLA_TRACE_AT(tr, ev + 1, j);
+      };
+      if constexpr (T::kHalves == 1) {
+        bring(0, P0{}, P9{}, 2);
+      } else if ((j & 1) == 0) {
+        bring(0, P0{}, PH{}, 2);
+        bring(1, PH{}, P9{}, 4);
+      } else {
+        bring(1, PH{}, P9{}, 2);
+        bring(0, P0{}, PH{}, 4);
+      }
+    }
+    sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
+    PAGEDATTN_MLA_TRACE_PRINT(tr);
+  } else {
+    // Raw fp8 rows (576 bytes, 36 chunks) into raw buffer j % 2 in natural order; the thread
+    // that copied a chunk widens it, so its own cp.async.wait_group is all the ordering needed.
+    auto issue = [&](int j) {
+      const int64_t* table = publish(j, next_off);
+      next_off = lookup(j + 1);
+      const uint32_t raw = sm80::smem_addr(smem + lay.raw_offset + (j & 1) * lay.raw_bytes) +
+                           lane_row * kEntry + lane_col * 16;
+      copy_rows(table, raw, kLanes * 16, kRowsPerPass * kEntry, std::integral_constant<int, 0>{},
+                std::integral_constant<int, kPer>{});
+      sm80::cp_async_commit();
+    };
+    if (n_tiles > 0) issue(0);
+    for (int j = 0; j < n_tiles; ++j) {
+      if (j + 1 < n_tiles) {
+        issue(j + 1);
+        sm80::cp_async_wait<1>();
+      } else {
+        sm80::cp_async_wait<0>();
+      }
+      mbar_wait(bars.empty(0), (j & 1) ^ 1);  // the consumers are done with tile j - 1
+      const unsigned char* raw =
+          smem + lay.raw_offset + (j & 1) * lay.raw_bytes + lane_row * kEntry + lane_col * 16;
+      unsigned char* const stage = smem + lay.stage_offset;
+#pragma unroll
+      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+        const int row = lane_row + kRowsPerPass * i;
+#pragma unroll 3
+        for (int k = 0; k < kPer; ++k) {
+          const uint4 v =
+              *reinterpret_cast<const uint4*>(raw + i * kRowsPerPass * kEntry + k * kLanes * 16);
+          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+          uint32_t wide[8];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            wide[2 * q] = fp8x2_to_16bit<T::act>(uint16_t(words[q] & 0xffffu), false);
+            wide[2 * q + 1] = fp8x2_to_16bit<T::act>(uint16_t(words[q] >> 16), false);
+          }
+          // 16 fp8 values of chunk col = lane_col + 4 k are 16-bit chunks 2 col and 2 col + 1
+          // of the row: panel k, chunks 2 lane_col and 2 lane_col + 1 within it.
+          unsigned char* const panel = stage + k * lay.kv_panel;
+          *reinterpret_cast<uint4*>(panel + sm90::sw128_offset(row, 2 * lane_col)) =
+              make_uint4(wide[0], wide[1], wide[2], wide[3]);
+          *reinterpret_cast<uint4*>(panel + sm90::sw128_offset(row, 2 * lane_col + 1)) =
+              make_uint4(wide[4], wide[5], wide[6], wide[7]);
+        }
+      }
+      // Generic-proxy stores, read next by wgmma (async proxy).
+      ptx::fence_proxy_async(ptx::space_shared);
+      ptx::mbarrier_arrive(bars.full(0));
+    }
+    sm80::cp_async_wait<0>();  // Q's copies too, when there was no tile
+  }
+}
+
+}  // namespace pagedattn::cuda::mla
