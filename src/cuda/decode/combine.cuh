@@ -14,7 +14,11 @@
 //             backend_ops; timed inside bench/gpu/bench_decode.
 #pragma once
 
-#include "cuda/decode/kernel.cuh"
+#include "cuda/arch/sm80/ptx.cuh"
+#include "cuda/common/dtypes.cuh"
+#include "cuda/decode/common.cuh"
+#include "cuda/decode/launch.h"
+#include "cuda/decode/store.cuh"
 
 namespace pagedattn::cuda::decode {
 

@@ -39,7 +39,11 @@
 #include <cfloat>
 
 #include "cuda/common/device_props.h"
-#include "cuda/decode/kernel.cuh"
+#include "cuda/decode/common.cuh"
+#include "cuda/decode/fp8.cuh"
+#include "cuda/decode/launch.h"
+#include "cuda/decode/softmax.cuh"
+#include "cuda/decode/store.cuh"
 #include "cuda/prefill/config.h"
 #include "cuda/prefill/launch.h"
 #include "cuda/prefill/walk.h"
