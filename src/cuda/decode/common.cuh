@@ -1,6 +1,6 @@
 // The decode kernels' shared pieces (the prefill kernels use them too): the keys a query row
-// may see, a thread's row state, the shared-memory layout of a launch and the launch with
-// programmatic dependent launch. The map is kernel.cuh's.
+// may see, a thread's row state and the shared-memory layout of a launch (the launch itself is
+// cuda/common/launch.cuh's). The map is kernel.cuh's.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,6 +12,7 @@
 #include "cuda/arch/sm80/ptx.cuh"
 #include "cuda/common/check.h"
 #include "cuda/common/dtypes.cuh"
+#include "cuda/common/launch.cuh"
 #include "cuda/decode/config.h"
 #include "cuda/decode/params.h"
 
@@ -76,27 +77,5 @@ struct ThreadRow {
   /// bf16 query row by (decode_kernel, store_q).
   float score2 = 0.0f, cap_arg = 0.0f;
 };
-
-// Launches `kernel(p)` with programmatic stream serialization allowed: its CTAs may be
-// scheduled while the previous kernel of the stream finishes (both call the griddepcontrol
-// pair at their top), which hides the launch gap between the attention and combine kernels
-// and between layers. Graph capture keeps the edge as a programmatic dependency. `pdl` false
-// launches plainly: behind a long kernel, early CTAs would only sit in griddepcontrol.wait
-// holding SM slots that kernel needs (the decode kernel behind the prefill kernel).
-inline void launch_with_pdl(void (*kernel)(DecodeParams), dim3 grid, dim3 block, int smem,
-                            cudaStream_t stream, const DecodeParams& p, bool pdl = true) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = size_t(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  PAGEDATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
-  PAGEDATTN_CUDA_CHECK_LAUNCH();
-}
 
 }  // namespace pagedattn::cuda::decode

@@ -1,5 +1,5 @@
-// The MLA decode kernels' shared pieces: what one CTA computes (its request, rows and keys), the
-// CTA's mbarriers and the launch with programmatic dependent launch. The map is kernel.cuh's.
+// The MLA decode kernels' shared pieces: what one CTA computes (its request, rows and keys) and
+// the CTA's mbarriers (the launch is cuda/common/launch.cuh's). The map is kernel.cuh's.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,6 +9,7 @@
 
 #include "cuda/arch/sm80/ptx.cuh"
 #include "cuda/common/check.h"
+#include "cuda/common/launch.cuh"
 #include "cuda/mla/config.h"
 #include "cuda/mla/params.h"
 
@@ -67,24 +68,5 @@ struct Barriers {
     return base + 1 + (kStages + s) * kHalves + h;
   }
 };
-
-// Launches `kernel(p)` with programmatic stream serialization allowed (both MLA kernels open
-// with the griddepcontrol pair): the combine's CTAs are resident before the attention kernel
-// ends, and the next layer's before the combine ends.
-inline void launch_with_pdl(void (*kernel)(MlaParams), dim3 grid, dim3 block, int smem,
-                            cudaStream_t stream, const MlaParams& p) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = size_t(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  PAGEDATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
-  PAGEDATTN_CUDA_CHECK_LAUNCH();
-}
 
 }  // namespace pagedattn::cuda::mla

@@ -559,7 +559,7 @@ struct PrefillHost {
     int device = 0;
     PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
     prepare<kKernel>(device);
-    decode::launch_with_pdl(kKernel, grid, dim3(T::kThreads), T::layout().total, stream, p);
+    launch_with_pdl(kKernel, grid, dim3(T::kThreads), T::layout().total, stream, p);
   }
   // The Hopper kernel's 1-D grid over the work tiles (x fastest, the split slowest, as the 2-D
   // grid above runs them): one CTA per work tile, or p.persistent CTAs (the backend caps it at
@@ -572,8 +572,7 @@ struct PrefillHost {
     PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
     prepare<kKernel>(device);
     const int64_t ctas = p.persistent > 0 ? std::min(total, int64_t(p.persistent)) : total;
-    decode::launch_with_pdl(kKernel, dim3(unsigned(ctas)), dim3(T::kThreads), T::layout().total,
-                            stream, p);
+    launch_with_pdl(kKernel, dim3(unsigned(ctas)), dim3(T::kThreads), T::layout().total, stream, p);
   }
   template <Kernel kKernel>
   static int ctas_per_sm(int device) {

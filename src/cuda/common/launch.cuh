@@ -1,0 +1,37 @@
+// The launch every kernel family uses: programmatic dependent launch through
+// cudaLaunchKernelEx.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "cuda/common/check.h"
+
+namespace pagedattn::cuda {
+
+/// Launches `kernel(p)` with programmatic stream serialization allowed: its CTAs may be
+/// scheduled while the previous kernel of the stream finishes (the kernels call the
+/// griddepcontrol pair at their top), which hides the launch gap between an attention kernel and
+/// its combine and between layers. Graph capture keeps the edge as a programmatic dependency.
+/// `pdl` false launches plainly: behind a long kernel, early CTAs would only sit in
+/// griddepcontrol.wait holding SM slots that kernel needs (the decode kernel behind the prefill
+/// kernel).
+template <class Params>
+inline void launch_with_pdl(void (*kernel)(Params), dim3 grid, dim3 block, int smem,
+                            cudaStream_t stream, const Params& p, bool pdl = true) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  PAGEDATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  PAGEDATTN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace pagedattn::cuda
