@@ -7,8 +7,8 @@
 //
 // Bytes counted: each visible latent byte once (sum over requests of seq_len * 576 * elem);
 // split partials, Q and O are not counted. FLOPs: 2 * rows * seq_len * (576 + 512) per request
-// (rows = num_heads * q_len; S over 576 columns, P V over the 512 the layer uses; the kernel also
-// computes the 64 k_pe output columns, not counted). The device copy rate (a 1 GiB
+// (rows = num_heads * q_len; S over 576 columns, P V over the 512 of the output, which
+// MLAAttention binds as [tokens, heads, 512]). The device copy rate (a 1 GiB
 // device-to-device cudaMemcpy, read + write counted) is measured in the same run.
 #include <cuda_runtime.h>
 
@@ -115,7 +115,8 @@ json run_point(const Backend& backend, const Shape& s, const Options& o, size_t 
   const int64_t tokens = int64_t(s.batch) * s.q_len;
   Tensor query = Tensor::empty({tokens, s.num_heads, kEntry}, s.dtype, dev);
   fill_random(query.data(), query.view().nbytes(), s.dtype, rng, stream);
-  Tensor out = Tensor::empty({tokens, s.num_heads, kEntry}, s.dtype, dev);
+  // The latent output as MLAAttention binds it: P V's first kv_lora_rank columns.
+  Tensor out = Tensor::empty({tokens, s.num_heads, kLatent}, s.dtype, dev);
 
   auto impl = backend.make_impl(c, dev);
   const auto plan = backend.plan(mds[0], c);
@@ -183,6 +184,11 @@ std::vector<Shape> shapes(const Options& o) {
       s.group = "h16q4";
       s.num_heads = 16;
       s.q_len = 4;
+      v.push_back(s);
+      // 128 heads x 2 tokens (multi-token prediction): four M tiles share each K/V read.
+      s.group = "h128q2";
+      s.num_heads = 128;
+      s.q_len = 2;
       v.push_back(s);
     }
   }

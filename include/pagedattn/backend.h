@@ -53,8 +53,11 @@ struct ForwardArgs {
   KVCacheView kv_cache;  ///< decoder / encoder_decoder: read every key from here
   KVScales scales;
   const AttentionMetadata* metadata = nullptr;
-  TensorView output;  ///< [num_tokens, num_heads, head_size]; rows [0, T_a) are written
-  TensorView lse;     ///< optional float32 [num_heads, num_tokens]: natural-log LSE
+  /// [num_tokens, num_heads, out_cols]; rows [0, T_a) are written. out_cols = head_size, or
+  /// fewer: the output then holds the first out_cols columns of each row of P V (MLAAttention's
+  /// latent output, the kv_lora_rank columns of the 576-wide entry that the layer up-projects).
+  TensorView output;
+  TensorView lse;  ///< optional float32 [num_heads, num_tokens]: natural-log LSE
   const Plan* plan = nullptr;
   Workspace workspace;
   Stream stream;

@@ -118,10 +118,11 @@ void check_forward_args(const AttentionConfig& cfg, const ForwardArgs& a, bool c
           ") exceeds the query's ", num_tokens, " rows");
   require(a.output.defined(), "output is required");
   require(a.output.ndim == 3 && a.output.size(0) >= md.num_actual_tokens &&
-              a.output.size(1) == cfg.num_heads && a.output.size(2) == cfg.head_size,
+              a.output.size(1) == cfg.num_heads && a.output.size(2) >= 1 &&
+              a.output.size(2) <= cfg.head_size,
           "output must be [>= num_actual_tokens (", md.num_actual_tokens,
-          "), num_heads=", cfg.num_heads, ", head_size=", cfg.head_size, "]; got ",
-          describe(a.output));
+          "), num_heads=", cfg.num_heads, ", head_size=", cfg.head_size,
+          " (or 1..head_size leading columns of P V)]; got ", describe(a.output));
   require(is_floating(a.output.dtype) && !is_fp8(a.output.dtype),
           "output must be a float type; got ", describe(a.output));
   require(a.output.device == device, "output is on ", to_string(a.output.device), "; expected ",

@@ -262,7 +262,7 @@ void MLAAttention::forward_absorbed(const TensorView& q, const AttentionMetadata
     }
   }
   // MQA over the latent cache.
-  Tensor o_lat = Tensor::empty({ta, n, e}, act);
+  Tensor o_lat = Tensor::empty({ta, n, l}, act);  // P V's first L columns (W_UV's input)
   ForwardArgs f;
   f.query = qa.view();
   f.kv_cache = cache_;
@@ -279,7 +279,7 @@ void MLAAttention::forward_absorbed(const TensorView& q, const AttentionMetadata
     const int64_t dst = row(t);
     for (int h = 0; h < n; ++h) {
       for (int li = 0; li < l; ++li)
-        lat[size_t(li)] = float(load_element(o_lat.data(), act, (t * n + h) * e + li));
+        lat[size_t(li)] = float(load_element(o_lat.data(), act, (t * n + h) * l + li));
       std::fill(out.begin(), out.end(), 0.0f);
       for (int li = 0; li < l; ++li) {
         const float* w = &w_uv_[(size_t(h) * l + li) * v];

@@ -80,7 +80,8 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
     return;
   }
   const Plan& plan = context_.plan(0, *backend_, config_);
-  // One workspace: the attention's scratch, then latent [Ta, 1, E], q_lat and o_lat [Ta, N, E].
+  // One workspace: the attention's scratch, then latent [Ta, 1, E], q_lat [Ta, N, E] and o_lat
+  // [Ta, N, L] (the backend writes P V's first L columns, the ones W_UV up-projects).
   const size_t plan_bytes = aligned_up(plan.workspace_bytes());
   const size_t latent_bytes = aligned_up(size_t(ta) * e * dtype_size(act));
   const size_t heads_bytes = aligned_up(size_t(ta) * n * e * dtype_size(act));
@@ -91,7 +92,7 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
   };
   const TensorView latent = carve(plan_bytes, {ta, 1, e});                // [Ta, 1, E]
   const TensorView q_lat = carve(plan_bytes + latent_bytes, {ta, n, e});  // [Ta, N, E]
-  const TensorView o_lat = carve(plan_bytes + latent_bytes + heads_bytes, {ta, n, e});  // same
+  const TensorView o_lat = carve(plan_bytes + latent_bytes + heads_bytes, {ta, n, l});
   // 1. The step's latent entries [kv_c | k_pe] (rounded to the activation dtype, as the host
   // path does) into the cache, one entry as K and V.
   cuda::mla::build_latent(kv_c, k_pe, latent, stream_.handle);
@@ -112,7 +113,7 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
   f.stream = stream_;
   check_forward_args(config_, f, /*check_metadata=*/false);
   impl_->forward(f);
-  // 4. The up-projection of o_lat's first L columns by W_UV.
+  // 4. The up-projection of o_lat by W_UV.
   cuda::mla::up_project(o_lat, static_cast<const float*>(device_weights_->w_uv.data()), l, v, ta,
                         output, stream_.handle);
 #endif
@@ -181,7 +182,7 @@ void MLAAttention::forward_split_on_device(const TensorView& q, const TensorView
         Tensor::copy_of(TensorView::contiguous(rows.data(), DType::kI64, {nr}), dev);  // [nr]
     const auto* row_ids = static_cast<const int64_t*>(rows_dev.data());
     Tensor q_lat = Tensor::empty({nr, n, e}, act, dev);  // [nr, N, E]
-    Tensor o_lat = Tensor::empty({nr, n, e}, act, dev);  // [nr, N, E]
+    Tensor o_lat = Tensor::empty({nr, n, l}, act, dev);  // [nr, N, L]: the latent columns
     cuda::mla::absorb_query(q, static_cast<const float*>(device_weights_->w_uk_t.data()), p,
                             q_lat.view(), st, row_ids);
     const auto plan = backend_->plan(dsub, config_);

@@ -48,6 +48,7 @@ AttentionParams make_params(const AttentionConfig& c, const ForwardArgs& a) {
   p.out_stride_token = a.output.stride(0);
   p.out_stride_head = a.output.stride(1);
   p.out_dtype = a.output.dtype;
+  p.out_cols = int(a.output.size(2));
   if (a.lse.defined()) {
     p.lse = a.lse.data;
     p.lse_stride_head = a.lse.stride(0);

@@ -603,9 +603,9 @@ HWY_INLINE void StoreOutputRow(const AttentionParams& p, int64_t token, int head
       static_cast<char*>(p.out) +
       dtype_size(p.out_dtype) * size_t(token * p.out_stride_token + head * p.out_stride_head);
   if (p.out_dtype == DType::kF64) {
-    for (int d = 0; d < p.head_size; ++d) reinterpret_cast<double*>(op)[d] = row[d];
+    for (int d = 0; d < p.out_cols; ++d) reinterpret_cast<double*>(op)[d] = row[d];
   } else {
-    ConvertRow(row, DType::kF32, op, p.out_dtype, p.head_size, 1.0f);
+    ConvertRow(row, DType::kF32, op, p.out_dtype, p.out_cols, 1.0f);
   }
   if (p.lse) {
     store_element(p.lse, p.lse_dtype, head * p.lse_stride_head + token * p.lse_stride_token, lse);

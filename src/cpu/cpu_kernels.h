@@ -20,9 +20,10 @@ struct AttentionParams {
   const void* q = nullptr;  // [num_tokens, num_heads, head_size]
   int64_t q_stride_token = 0, q_stride_head = 0;
   DType q_dtype = DType::kF32;
-  void* out = nullptr;  // [num_tokens, num_heads, head_size]
+  void* out = nullptr;  // [num_tokens, num_heads, out_cols]
   int64_t out_stride_token = 0, out_stride_head = 0;
   DType out_dtype = DType::kF32;
+  int out_cols = 0;     // head_size or fewer: the leading columns of each output row
   void* lse = nullptr;  // [num_heads, num_tokens] or null
   int64_t lse_stride_head = 0, lse_stride_token = 0;
   DType lse_dtype = DType::kF32;

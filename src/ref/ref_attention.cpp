@@ -234,7 +234,8 @@ void attention(const AttentionConfig& cfg, const ForwardArgs& a, Precision preci
           const RowResult row = precision == Precision::kFloat64
                                     ? attend_exact(cfg, q, kv, h, context_len + i)
                                     : attend_low_precision(cfg, q, kv, h, context_len + i);
-          for (int d = 0; d < cfg.head_size; ++d) store(a.output, t, h, d, row.out[size_t(d)]);
+          const int out_cols = int(a.output.size(2));  // head_size or a leading part of it
+          for (int d = 0; d < out_cols; ++d) store(a.output, t, h, d, row.out[size_t(d)]);
           if (a.lse.defined()) {
             store_element(a.lse.data, a.lse.dtype, h * a.lse.stride(0) + t * a.lse.stride(1),
                           row.lse);

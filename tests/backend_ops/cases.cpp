@@ -60,14 +60,16 @@ class Matrix {
     k.name = tag + ": " + describe(k);
     cases_.push_back(std::move(k));
   }
-  // An MLA-shaped case whose cache binds one latent entry as K and V (MLAAttention's binding).
+  // An MLA-shaped case whose cache binds one latent entry as K and V and whose output takes the
+  // first out_cols columns (MLAAttention's binding: 512; 576 is the generic contract).
   void add_latent(std::string tag, AttentionConfig c, std::vector<RequestShape> requests,
-                  int pad_tokens = 0) {
+                  int pad_tokens = 0, int out_cols = 512) {
     add(std::move(tag), c, std::move(requests), pad_tokens);
     OpCase& k = cases_.back();
     k.latent = true;
     k.v_scale = k.k_scale;  // the latent has one scale
-    k.name += " latent";
+    k.out_cols = out_cols;
+    k.name += " latent out=" + std::to_string(out_cols);
   }
   OpCase& last() { return cases_.back(); }
   std::vector<OpCase> take() { return std::move(cases_); }
@@ -208,9 +210,11 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
     c.kv_cache_dtype = kv;
     m.add("mla-latent", c, {{300, 1}, {70, 4}, {0, 9}});
   }
-  // The same shapes bound as MLAAttention binds them (one cache as K and V): the layout the
-  // CUDA MLA kernel serves. Block sizes 64 / 16 / 1, 16 and 128 heads, 1-4 query tokens with the
-  // causal offset, a 9-token prefill, zero-length and padded requests, long contexts (split).
+  // The same shapes bound as MLAAttention binds them (one cache as K and V, the output the 512
+  // latent columns): the layout the CUDA MLA kernel serves. Block sizes 64 / 16 / 1, 16 and 128
+  // heads, 1-4 query tokens with the causal offset, a 9-token prefill, zero-length and padded
+  // requests, long contexts (split). Two sets again with all 576 columns (the generic contract:
+  // on cuda the kernel that computes P k_pe), one with an odd width (a 1-column tail).
   for (KVCacheDType kv : {KVCacheDType::kAuto, KVCacheDType::kFp8E4M3}) {
     for (DType act : {DType::kBF16, DType::kF16}) {
       AttentionConfig c = base;
@@ -222,6 +226,7 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
       c.dtype = act;
       c.kv_cache_dtype = kv;
       m.add_latent("mla", c, {{300, 1}, {70, 4}, {0, 9}, {0, 0}, {129, 2}, {1, 3}}, 3);
+      m.add_latent("mla", c, {{300, 1}, {70, 4}, {0, 9}, {0, 0}, {129, 2}, {1, 3}}, 3, 576);
       m.add_latent("mla", c, {{2000, 1}, {1500, 4}});
       c.block_size = 16;
       m.add_latent("mla", c, {{100, 1}, {33, 2}, {0, 0}, {64, 3}}, 1);
@@ -230,6 +235,8 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
       c.block_size = 64;
       c.num_heads = 128;
       m.add_latent("mla", c, {{200, 1}, {65, 2}});
+      m.add_latent("mla", c, {{200, 1}, {65, 2}}, 0, 576);
+      m.add_latent("mla", c, {{130, 1}, {64, 2}}, 0, 301);
       m.add_latent("mla", c, {{3000, 1}});
     }
   }

@@ -35,6 +35,9 @@ struct OpCase {
   /// One cache entry serves as key and value (MLAAttention's latent binding): the value rows
   /// are the key rows, v_scale = k_scale, and kv_cache.value is the same view as .key.
   bool latent = false;
+  /// Output columns (0: head_size): fewer gives the first columns of P V, as MLAAttention binds
+  /// its latent output (kv_lora_rank = 512 of the 576-wide entry).
+  int out_cols = 0;
   uint32_t seed = 0;
 };
 

@@ -153,7 +153,8 @@ RunOutputs run_on(const Backend& backend, const OpCase& k, CaseData& data, const
   Tensor query = Tensor::copy_of(data.query.view(), device);
   Tensor key = Tensor::copy_of(data.key.view(), device);
   Tensor value = Tensor::copy_of(data.value.view(), device);
-  Tensor output = Tensor::copy_of(poisoned({rows, c.num_heads, c.head_size}, out_dtype), device);
+  const int out_cols = k.out_cols > 0 ? k.out_cols : c.head_size;
+  Tensor output = Tensor::copy_of(poisoned({rows, c.num_heads, out_cols}, out_dtype), device);
   Tensor lse = Tensor::copy_of(poisoned({c.num_heads, rows}, lse_dtype), device);
   Tensor cache;
   KVCacheView cache_view;

@@ -63,9 +63,10 @@ void tp_gather(const bo::OpCase& k, const RankShare& s, Tensor& out, Tensor& lse
   const AttentionConfig& c = k.config;
   const TensorView mine = s.run.output.view();
   const int64_t t = mine.size(0);
-  out = Tensor::empty({t, c.num_heads, c.head_size}, c.dtype);
+  const int d = int(mine.size(2));  // head_size, or the case's narrower output
+  out = Tensor::empty({t, c.num_heads, d}, c.dtype);
   lse = Tensor::empty({c.num_heads, t}, DType::kF32);
-  const auto layout = TpExchangeLayout::of(world_, t, s.shard.num_heads, c.head_size, c.dtype);
+  const auto layout = TpExchangeLayout::of(world_, t, s.shard.num_heads, d, c.dtype);
   std::vector<uint8_t> ws(layout.bytes);
   const TpExchangeArgs args{
       rank_, world_, mine, s.run.lse.view(), out.view(), lse.view(), {ws.data(), ws.size()}, {}};

@@ -70,7 +70,20 @@ TEST_F(ForwardArgsCheck, QueryLastDimContiguous) {
 }
 TEST_F(ForwardArgsCheck, OutputShape) {
   args_.output = TensorView::contiguous(out_.data(), DType::kF32, {1, 4, 8});
-  expect_error("output must be [>= num_actual_tokens (2), num_heads=4, head_size=8]");
+  expect_error(
+      "output must be [>= num_actual_tokens (2), num_heads=4, head_size=8 (or 1..head_size "
+      "leading columns of P V)]; got float32[1, 4, 8]");
+}
+TEST_F(ForwardArgsCheck, OutputMayTakeTheLeadingColumns) {
+  // 1..head_size columns: the first columns of P V (MLAAttention's latent output).
+  args_.output = TensorView::contiguous(out_.data(), DType::kF32, {2, 4, 5});
+  EXPECT_NO_THROW(check_forward_args(config_, args_));
+  args_.output = TensorView::contiguous(out_.data(), DType::kF32, {2, 4, 1});
+  EXPECT_NO_THROW(check_forward_args(config_, args_));
+  args_.output = TensorView::contiguous(out_.data(), DType::kF32, {2, 4, 0});
+  expect_error("head_size=8 (or 1..head_size leading columns of P V)]; got float32[2, 4, 0]");
+  args_.output = TensorView::contiguous(out_.data(), DType::kF32, {2, 4, 9});  // not read
+  expect_error("(or 1..head_size leading columns of P V)]; got float32[2, 4, 9]");
 }
 TEST_F(ForwardArgsCheck, OutputDtype) {
   args_.output.dtype = DType::kI32;

@@ -98,12 +98,19 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
     if (device_props(device.index).cc_major >= 9 && options.mla_copy != MlaCopy::kCpAsync) {
       mla_tma_rows_ = options.mla_copy == MlaCopy::kTma ? 16 : 64;
     }
+    // The seesaw writes the 512 latent columns only; under auto, a wider output (the generic
+    // contract's 576) takes split-S.
+    if (mla_->max_out_cols < mla::kEntry && options.mla_consumer == mla::Consumer::kAuto) {
+      mla_wide_ =
+          mla::find_mla(config.dtype, cache_dtype_, config.num_heads, mla::Consumer::kSplitS);
+    }
     mla_combine_ = mla::find_mla_combine(config.dtype);
     write_ = cache_ops::find_write_kv(config.dtype, cache_dtype_);
     require<NotSupported>(write_ != nullptr, "cuda backend: write_kv is not compiled for ",
                           dtype_name(config.dtype), " into ", dtype_name(cache_dtype_));
     ScopedDevice guard(device.index);
     mla_->ctas_per_sm(device.index);  // the shared-memory limit, outside any graph capture
+    if (mla_wide_ != nullptr) mla_wide_->ctas_per_sm(device.index);
     return;
   }
   decode_ = decode::find_decode(config.dtype, cache_dtype_, config.head_size);
@@ -220,6 +227,9 @@ void CudaImpl::forward(const ForwardArgs& a) {
     forward_mla(a, stream);
     return;
   }
+  require<NotSupported>(a.output.size(2) == cfg.head_size,
+                        "cuda backend: an output narrower than head_size (", describe(a.output),
+                        ") is served by the MLA latent kernel only (head size 576)");
 
   const auto* plan = dynamic_cast<const CudaPlan*>(a.plan);
   decode::DecodeParams p{};
@@ -480,6 +490,12 @@ void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {
                         describe(q), " needs a 16-byte aligned base and row strides");
   require<NotSupported>(a.output.stride(2) == 1,
                         "cuda backend: output rows must be contiguous; got ", describe(a.output));
+  const int out_cols = int(a.output.size(2));
+  const mla::MlaKernel* const kernel = out_cols <= mla_->max_out_cols ? mla_ : mla_wide_;
+  require<NotSupported>(kernel != nullptr, "cuda backend: the MLA kernel ", kMlaEnvVar, "=",
+                        mla::consumer_name(mla_->consumer), " writes at most ", mla_->max_out_cols,
+                        " latent columns; output is ", describe(a.output),
+                        " (auto or split-s serve ", mla::kEntry, ")");
   require_on(md.seq_lens, device_, "metadata.seq_lens");
   require_on(md.block_table, device_, "metadata.block_table");
 
@@ -490,6 +506,7 @@ void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {
   p.out = a.output.data;
   p.out_stride_token = a.output.stride(0);
   p.out_stride_head = a.output.stride(1);
+  p.out_cols = out_cols;
   p.vec_out =
       aligned(a.output.data, 4) && a.output.stride(0) % 2 == 0 && a.output.stride(1) % 2 == 0;
   if (a.lse.defined()) {
@@ -549,7 +566,7 @@ void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {
         static_cast<char*>(a.workspace.data) +
         split_lse_offset(plan->num_splits, md.num_actual_tokens, cfg.num_heads, cfg.head_size));
   }
-  mla_->launch(p, stream);
+  kernel->launch(p, stream);
   if (p.num_splits > 1) mla_combine_->launch(p, stream);
 }
 

@@ -3,8 +3,9 @@
 //
 // Map
 //   computes  for row (t, h): M = max_s lse_s, w_s = 2^(lse_s - M), out = sum_s w_s o_s /
-//             sum_s w_s, lse = M + log2(sum_s w_s) (log2 inside, natural log out); a split
-//             with no keys has lse -inf and is never read.
+//             sum_s w_s (its first p.out_cols columns; the partials hold those at least), lse = M +
+//             log2(sum_s w_s) (log2 inside, natural log out); a split with no keys has lse -inf and
+//             is never read.
 //   grid      one warp per row, 4 rows per CTA; lane s holds split s's LSE (s < 64); each lane
 //             then owns float4 chunks lane + 32 k of the row's 144.
 //   budget    no shared memory; reads num_splits * 577 floats per row.
@@ -44,6 +45,7 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta)
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
 
+  const int out_chunks = (p.out_cols + 3) / 4;  // only these are read and written
   float acc[kPerLane][4] = {};
   for (int s = 0; s < splits; ++s) {
     const float wgt = __shfl_sync(0xffffffffu, s < 32 ? w0 : w1, s & 31);
@@ -53,7 +55,7 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta)
 #pragma unroll
     for (int k = 0; k < kPerLane; ++k) {
       const int c = lane + 32 * k;
-      if (c < kChunks) {
+      if (c < out_chunks) {
         const float4 v = src[c];
         acc[k][0] += wgt * v.x, acc[k][1] += wgt * v.y, acc[k][2] += wgt * v.z;
         acc[k][3] += wgt * v.w;
@@ -66,9 +68,11 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta)
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
     const int c = lane + 32 * k;
-    if (c < kChunks) {
+    if (c < out_chunks) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) store_from_float<kAct>(out, 4 * c + i, acc[k][i] * inv);
+      for (int i = 0; i < 4; ++i) {
+        if (4 * c + i < p.out_cols) store_from_float<kAct>(out, 4 * c + i, acc[k][i] * inv);
+      }
     }
   }
   if (p.lse != nullptr && lane == 0) {

@@ -24,6 +24,8 @@ enum class Consumer : uint8_t { kAuto, kRedundant, kSplitS, kSeesaw };
 inline constexpr int kEntry = 576;
 /// 128-byte swizzled panels of 64 16-bit columns: 9 per entry, the first 8 hold kv_c.
 inline constexpr int kPanels = kEntry / 64;
+/// The kv_c columns: MLAAttention's output (it up-projects these), the seesaw's whole output.
+inline constexpr int kLatent = 512;
 /// Packed rows (q_len * N) per CTA: one wgmma M tile. 16 heads x 1 token fill a quarter of it
 /// (the zero rows cost tensor-core time, not bandwidth: decode is memory-bound there).
 inline constexpr int kBlockM = 64;
@@ -59,8 +61,9 @@ constexpr int stages_for(KVKind kv) {
 }
 
 /// A stage's barriers per part: the seesaw frees and refills each half of a stage on its own
-/// (panels 0-3: warpgroup 0's P V; 4-8: warpgroup 1's), so the next tile's first half lands
-/// while the current tile's second half is still read. Everything else: the whole stage.
+/// (panels 0-3: warpgroup 0's P V; 4-8: warpgroup 1's, of which 8 only S reads), so the next tile's
+/// first half lands while the current tile's second half is still read. Everything else: the whole
+/// stage.
 constexpr int halves_for(Consumer c) {
   return c == Consumer::kSeesaw ? 2 : 1;
 }
@@ -103,6 +106,9 @@ struct Traits {
   static constexpr int kStages = stages_for(kKV);
   static constexpr int kHalves = halves_for(kC);
   static constexpr int kCacheBytes = kKV == KVKind::kSame ? 2 : 1;
+  /// Output columns computed: the seesaw leaves out P k_pe (1/9 of its P V work, and
+  /// warpgroup 1's half of O no longer larger than warpgroup 0's), the others compute all 576.
+  static constexpr int kOutCols = kC == Consumer::kSeesaw ? kLatent : kEntry;
   /// Warpgroup 0 produces; warpgroups 1 and 2 each compute the same S and softmax and
   /// accumulate their own 256 of the 512 kv_c columns, plus (both, redundantly) the 64 k_pe
   /// columns: 160 fp32 accumulators per thread.

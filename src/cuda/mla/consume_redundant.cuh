@@ -165,7 +165,7 @@ __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsig
     }
   }
 
-  store_rows<T>(p, w, o, o_pe, m, l, row_a, t4, cw);
+  store_rows<T, 8>(p, w, o, o_pe, m, l, row_a, t4, cw);
 }
 
 }  // namespace pagedattn::cuda::mla

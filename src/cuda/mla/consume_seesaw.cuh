@@ -17,19 +17,19 @@
 namespace pagedattn::cuda::mla {
 
 // The seesaw (see the map), for warpgroup kC: it owns tiles j = kC (mod 2) and O's kv_c columns
-// 256 kC .. 256 kC + 255, warpgroup 1 also the 64 k_pe columns; so its P V reads only its half
-// of a stage (panels 0-3, or 4-8), which it frees on its own. O and the row sums l (own tiles
-// only) are kept at the row maxima m_ref they were last moved to; both warpgroups end at the
-// chain's last maxima, so the sums add. Compiled once per warpgroup: every wgmma group sits in
-// straight-line code.
+// 256 kC .. 256 kC + 255 (no P k_pe: the output is the 512 latent columns), so its P V reads only
+// its half of a stage (panels 0-3, or 4-7; panel 8 is read by S only), which it frees on its own. O
+// and the row sums l (own tiles only) are kept at the row maxima m_ref they were last moved to;
+// both warpgroups end at the chain's last maxima, so the sums add. Compiled once per warpgroup:
+// every wgmma group sits in straight-line code.
 template <class T, int kC>
 __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work& w,
                                                  unsigned char* smem,
                                                  Barriers<T::kStages, T::kHalves> bars,
                                                  int n_tiles) {
-  constexpr int kSn = kBlockN / 8, kPe = 8;
+  constexpr int kSn = kBlockN / 8;
   constexpr bool kBF16 = T::act == DType::kBF16;
-  constexpr bool kHasPe = kC == 1;
+  static_assert(T::kOutCols == kLatent, "the seesaw computes the kv_c columns only");
   constexpr Layout lay = T::layout();
   constexpr int kBarMax = 3, kBarP = 5;  // + the owner warpgroup (2: add_other_row_sums)
   constexpr int kOther = 1 - kC;
@@ -43,12 +43,9 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
   const RowBounds bounds = row_bounds(p, w, row_a);
   PAGEDATTN_MLA_TRACE_BEGIN(tr, 1 + kC);
 
-  float o[32][4];      // kv_c columns 256 kC + 8 i + 2 t4 + {0, 1}, rows row_a, row_a + 8
-  float o_pe[kPe][4];  // warpgroup 1: k_pe columns 512 + 8 i + ...
+  float o[32][4];  // kv_c columns 256 kC + 8 i + 2 t4 + {0, 1}, rows row_a, row_a + 8
 #pragma unroll
   for (int i = 0; i < 32; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kPe; ++i) o_pe[i][0] = o_pe[i][1] = o_pe[i][2] = o_pe[i][3] = 0.0f;
   float m_ref[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   uint32_t pa[kBlockN / 16][4];  // P of the own tile whose P V (RS) may be in flight
 
@@ -63,10 +60,7 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
     ptx::fence_proxy_async(ptx::space_shared);  // cp.async tiles are generic-proxy writes
   };
 
-  auto fence_o = [&] {
-    sm90::fence_operands(o);
-    if constexpr (kHasPe) sm90::fence_operands(o_pe);
-  };
+  auto fence_o = [&] { sm90::fence_operands(o); };
   // pa stays allocated until the RS wgmma reading it has completed (waited before this).
   auto keep_pa = [&] {
 #pragma unroll
@@ -111,24 +105,20 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
     }
     sm90::wgmma_commit();
   };
-  // O += P_j V_j over this warpgroup's columns: V MN-major (16 keys are +2048 B); warpgroup 1
-  // also the k_pe panel. P from registers (own tile) or the panel (the other's).
+  // O += P_j V_j over this warpgroup's columns: V MN-major (16 keys are +2048 B). P from
+  // registers (own tile) or the panel (the other's).
   auto issue_pv = [&](int j, auto from_regs) {
     const uint32_t v_base = stage_of(j) + 4 * kC * lay.kv_panel;
-    const uint32_t pe_base = stage_of(j) + 8 * lay.kv_panel;
     fence_o();
     sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const uint64_t dv = sm90::sw128_desc(v_base + kk * 2048, lay.kv_panel, 1024);
-      const uint64_t dpe = sm90::sw128_desc(pe_base + kk * 2048, lay.kv_panel, 1024);
       if constexpr (decltype(from_regs)::value) {
         sm90::Wgmma<256, kBF16>::template rs<1>(o, pa[kk], dv, 1);
-        if constexpr (kHasPe) sm90::Wgmma<64, kBF16>::template rs<1>(o_pe, pa[kk], dpe, 1);
       } else {
         const uint64_t dp = sm90::sw128_desc(p_base + kk * 32, 16, 1024);
         sm90::Wgmma<256, kBF16>::template ss<1>(o, dp, dv, 1);
-        if constexpr (kHasPe) sm90::Wgmma<64, kBF16>::template ss<1>(o_pe, dp, dpe, 1);
       }
     }
     sm90::wgmma_commit();
@@ -145,10 +135,7 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
       m_ref[h] = m_new[h];
       l[h] *= sc[h];
     }
-    if (__any_sync(0xffffffffu, sc[0] != 1.0f || sc[1] != 1.0f)) {
-      scale_rows(o, sc);
-      if constexpr (kHasPe) scale_rows(o_pe, sc);
-    }
+    if (__any_sync(0xffffffffu, sc[0] != 1.0f || sc[1] != 1.0f)) scale_rows(o, sc);
   };
   // The other warpgroup's tile j: its maxima (O moved to them), then its P V from the panel
   // over this warpgroup's half (landed: the owner's S waited for it; waited again here, a
@@ -258,7 +245,7 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
   // Row sums of the other warpgroup's tiles (same rows, same final maxima) through the P
   // panel, free once both are past their last P V.
   add_other_row_sums(l, reinterpret_cast<float*>(p_tile), kC, ct);
-  store_rows<T, kPe, 1>(p, w, o, o_pe, m_ref, l, row_a, t4, kC);
+  store_rows<T>(p, w, o, m_ref, l, row_a, t4, kC);
   PAGEDATTN_MLA_TRACE_PRINT(tr);
 }
 

@@ -136,7 +136,7 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
   // of the keys; exchanged through the P panel, free once both warpgroups are past their last
   // P V (the barrier).
   add_other_row_sums(l, reinterpret_cast<float*>(p_tile), cw, ct);
-  store_rows<T>(p, w, o, o_pe, m, l, row_a, t4, cw);
+  store_rows<T, 8>(p, w, o, o_pe, m, l, row_a, t4, cw);
 }
 
 }  // namespace pagedattn::cuda::mla

@@ -5,10 +5,10 @@
 //   computes  for every packed row (token t, head h) of a request: S = q K^T over the latent
 //             entries it may see (causal: token i of a q_len-token request sees seq_len - q_len +
 //             i + 1 keys), softmax in log2 units with P rounded to the activation type, O = P E
-//             where E is the same entry (all 576 columns: the first 512 are the latent output
-//             the layer up-projects, 512..575 are P k_pe so the generic contract, output head
-//             size = head size, holds exactly); natural-log LSE on request; split-KV partials
-//             for the combine (combine.cuh).
+//             where E is the same entry, its first p.out_cols columns (512: the latent output
+//             MLAAttention up-projects; 576: the generic contract, 512..575 = P k_pe, which the
+//             seesaw does not compute); natural-log LSE on request; split-KV partials for the
+//             combine (combine.cuh).
 //   grid      x = num_seqs * num_m_tiles (M tile fastest), y = num_splits. A CTA owns kBlockM
 //             = 64 packed rows (row p = token p / N, head p % N; zero rows past the request) and
 //             the keys of its split, whole 64-key tiles.
@@ -38,18 +38,18 @@
 //             rescaling) and are added at the end.
 //   seesaw    (Traits::consumer kSeesaw, 16-bit caches; PAGEDATTN_CUDA_MLA=seesaw; FlashMLA's
 //             schedule) warpgroup c owns the tiles j = c (mod 2): it computes their whole S
-//             (m64n64k16 SS, not smem-bound as split-S's n32 is) and softmax and writes P_j to
-//             the P panel; it owns O's kv_c columns 256 c .. and k_pe columns 512 + 32 c ..
-//             for every tile: O += P_j V_j from registers (RS) for its own tiles, from the
-//             panel (SS) for the other's. Only the running row maxima are a serial chain
-//             through both warpgroups; one warpgroup's softmax runs under the other's
-//             products. Handoffs on named barriers 3 + c (m_j in xchg[c]) and 5 + c (P_j in
+//             (m64n64k16 SS, not smem-bound as split-S's n32 is) and softmax and writes P_j to the
+//             P panel; it owns O's kv_c columns 256 c .. 256 c + 255 (no k_pe columns: the seesaw's
+//             output is the 512 latent columns) for every tile: O += P_j V_j from registers (RS)
+//             for its own tiles, from the panel (SS) for the other's. Only the running row maxima
+//             are a serial chain through both warpgroups; one warpgroup's softmax runs under the
+//             other's products. Handoffs on named barriers 3 + c (m_j in xchg[c]) and 5 + c (P_j in
 //             the panel), each arrived by the owner and synced by the other once per tile, in
-//             strict alternation (the chain orders them); one P panel suffices because the
-//             reader of P_j is the writer of P_{j+1}. Warpgroup 0's P V reads panels 0-3,
-//             warpgroup 1's panels 4-8 (it owns the k_pe columns): each half of a stage has
-//             its own full / empty barriers, freed by its reader and refilled (owner's half
-//             first) while the other half is still read. The default above 64 heads.
+//             strict alternation (the chain orders them); one P panel suffices because the reader
+//             of P_j is the writer of P_{j+1}. Warpgroup 0's P V reads panels 0-3, warpgroup 1's
+//             panels 4-7 (panel 8, k_pe, only S reads; it stays in the second half): each half of a
+//             stage has its own full / empty barriers, freed by its reader and refilled (owner's
+//             half first) while the other half is still read. The default above 64 heads.
 //   sync      mbarriers through CCCL's cuda::ptx: full[s] (128 producer arrivals), empty[s]
 //             (256 consumer arrivals); phases flip every kStages tiles. Consumers fence the
 //             async proxy after a `full` wait, before their wgmmas read what the generic proxy

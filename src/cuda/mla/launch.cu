@@ -7,7 +7,10 @@ namespace pagedattn::cuda::mla {
 const std::vector<MlaKernel>& mla_kernels() {
   static const std::vector<MlaKernel> table = {
 #define PAGEDATTN_MLA_INSTANCE(act, kv, c)                       \
-  {DType::act, KVKind::kv, Consumer::c,                          \
+  {DType::act,                                                   \
+   KVKind::kv,                                                   \
+   Consumer::c,                                                  \
+   Traits<DType::act, KVKind::kv, Consumer::c>::kOutCols,        \
    &MlaOps<Traits<DType::act, KVKind::kv, Consumer::c>>::launch, \
    &MlaOps<Traits<DType::act, KVKind::kv, Consumer::c>>::ctas_per_sm},
 #define PAGEDATTN_MLA_COMBINE_INSTANCE(act)

@@ -19,8 +19,11 @@ namespace pagedattn::cuda::mla {
 struct MlaParams {
   const void* q;  ///< [num_tokens, num_heads, 576], activation dtype, rows 16-byte aligned
   int64_t q_stride_token, q_stride_head;
-  void* out;  ///< [num_tokens, num_heads, 576], activation dtype: P * entry, all 576 columns
+  void* out;  ///< [num_tokens, num_heads, out_cols], activation dtype: P * entry's first columns
   int64_t out_stride_token, out_stride_head;
+  /// Columns of out (1..576): 512 is MLAAttention's latent output (what it up-projects), 576
+  /// the generic contract's (512..575 = P k_pe); the seesaw instances serve at most 512.
+  int out_cols;
   int vec_out;  ///< out rows allow 4-byte stores of column pairs
   void* lse;    ///< optional [num_heads, num_tokens], natural log; nullptr = not wanted
   int64_t lse_stride_head, lse_stride_token;

@@ -10,16 +10,17 @@
 namespace pagedattn::cuda::mla {
 
 // This thread's rows row_a and row_a + 8 out: normalise by the row sums (l: this thread's part,
-// a row's sum is spread over its quad), v scale; the output and LSE, or the split partials.
-// Warpgroup cw writes kv_c columns 256 cw .. 256 cw + 255, and the k_pe columns it holds: all 64
-// (kPe = 8: warpgroup 0's are written) or 32 cw .. 32 cw + 31 (kPe = 4); warpgroup 0 the LSE.
+// a row's sum is spread over its quad), v scale; the output's first p.out_cols columns and the
+// LSE, or the split partials (every column computed). Warpgroup cw writes kv_c columns 256 cw ..
+// 256 cw + 255, and the k_pe columns it holds: all 64 (kPe = 8: warpgroup kPeWg's are written),
+// 32 cw .. 32 cw + 31 (kPe = 4) or none (kPe = 0, o_pe unused); warpgroup 0 the LSE.
 template <class T, int kPe, int kPeWg = 0>
 __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w,
-                                           const float (&o)[32][4], const float (&o_pe)[kPe][4],
+                                           const float (&o)[32][4], const float (*o_pe)[4],
                                            const float (&m)[2], const float (&l)[2], int row_a,
                                            int t4, int cw) {
-  static_assert(kPe == 8 || kPe == 4);
-  const bool pe_mine = kPe == 4 || cw == kPeWg;
+  static_assert(kPe == 8 || kPe == 4 || kPe == 0);
+  const bool pe_mine = kPe == 4 || (kPe == 8 && cw == kPeWg);
   const int pe0 = kPe == 4 ? 512 + 32 * cw : 512;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -52,12 +53,16 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w,
     }
     char* const out = static_cast<char*>(p.out) +
                       (int64_t(t) * p.out_stride_token + int64_t(head) * p.out_stride_head) * 2;
-    auto put = [&](int col, float x0, float x1) {
-      if (p.vec_out) {
-        *reinterpret_cast<uint32_t*>(out + col * 2) = pack2<T::act>(x0, x1);
-      } else {
+    auto put = [&](int col, float x0, float x1) {  // col is even; out_cols may be odd
+      if (col + 1 < p.out_cols) {
+        if (p.vec_out) {
+          *reinterpret_cast<uint32_t*>(out + col * 2) = pack2<T::act>(x0, x1);
+        } else {
+          store_from_float<T::act>(out, col, x0);
+          store_from_float<T::act>(out, col + 1, x1);
+        }
+      } else if (col < p.out_cols) {
         store_from_float<T::act>(out, col, x0);
-        store_from_float<T::act>(out, col + 1, x1);
       }
     };
 #pragma unroll
@@ -81,6 +86,14 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w,
       }
     }
   }
+}
+
+// The same without k_pe columns (the seesaw: the 512 latent columns only).
+template <class T>
+__device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w,
+                                           const float (&o)[32][4], const float (&m)[2],
+                                           const float (&l)[2], int row_a, int t4, int cw) {
+  store_rows<T, 0>(p, w, o, nullptr, m, l, row_a, t4, cw);
 }
 
 }  // namespace pagedattn::cuda::mla
