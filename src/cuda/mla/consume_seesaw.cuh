@@ -170,23 +170,17 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
     sm90::named_barrier_arrive(kBarMax + kC, 256);
     exp_scores(sacc, f, base, sum);
   };
-  // After this warpgroup's last P V read the panel: O to the new maxima, P_j into the panel
-  // for the other warpgroup and into pa for this one's RS P V.
+  // After this warpgroup's last P V read the panel: P_j into pa for this one's RS P V and into
+  // the panel for the other warpgroup, then O to the new maxima (after P is out: the other's P V
+  // waits for P, not for this rescale).
   auto publish_p = [&](const float(&sacc)[kSn][4], const float(&m_new)[2], const float(&sum)[2]) {
+    pack_p<T::act>(sacc, pa);
+    store_p_panel(pa, p_base, warp, lane, 0);
+    ptx::fence_proxy_async(ptx::space_shared);  // generic stores, read next by wgmma
+    sm90::named_barrier_arrive(kBarP + kC, 256);
     move_to(m_new);
     l[0] += sum[0];
     l[1] += sum[1];
-#pragma unroll
-    for (int nt = 0; nt < kSn; ++nt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        *reinterpret_cast<uint32_t*>(p_tile + sm90::sw128_offset(row_a + 8 * h, nt) + 4 * t4) =
-            pack2<T::act>(sacc[nt][2 * h], sacc[nt][2 * h + 1]);
-      }
-    }
-    ptx::fence_proxy_async(ptx::space_shared);  // generic stores, read next by wgmma
-    sm90::named_barrier_arrive(kBarP + kC, 256);
-    pack_p<T::act>(sacc, pa);
   };
 
   mbar_wait(bars.q_full(), 0);

@@ -98,15 +98,11 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
     scale_rows(o, corr);
     scale_rows(o_pe, corr);
     // This half of P into the panel (K-major A operand: key k of row r is 16-bit element k of
-    // the row's 128 bytes): keys 32 cw + 8 nt + 2 t4 + {0, 1} are chunk 4 cw + nt, bytes 4 t4.
-#pragma unroll
-    for (int nt = 0; nt < kSn; ++nt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row_a + 8 * h;
-        *reinterpret_cast<uint32_t*>(p_tile + sm90::sw128_offset(row, 4 * cw + nt) + 4 * t4) =
-            pack2<T::act>(sacc[nt][2 * h], sacc[nt][2 * h + 1]);
-      }
+    // the row's 128 bytes): keys 32 cw .. 32 cw + 31 are chunks 4 cw .. 4 cw + 3.
+    {
+      uint32_t pk[kSn / 2][4];
+      pack_p<T::act>(sacc, pk);
+      store_p_panel(pk, p_base, warp, lane, 4 * cw);
     }
     ptx::fence_proxy_async(ptx::space_shared);  // generic stores, read next by wgmma
     sm90::named_barrier_sync(kBarConsumers, 256);

@@ -1,11 +1,12 @@
 // Row-wise pieces the MLA consumers share: the keys a row may see and their masking, row maxima
-// over a quad, scores to P with the row sums, rescaling, P as RS wgmma fragments, and the
-// exchange of row sums between the consumer warpgroups. See kernel.cuh's map.
+// over a quad, scores to P with the row sums, rescaling, P as RS wgmma fragments and into the P
+// panel, and the exchange of row sums between the consumer warpgroups. See kernel.cuh's map.
 #pragma once
 
 #include <cstdint>
 
 #include "cuda/arch/sm80/ptx.cuh"
+#include "cuda/arch/sm90/stmatrix.cuh"
 #include "cuda/arch/sm90/wgmma.cuh"
 #include "cuda/common/dtypes.cuh"
 #include "cuda/mla/common.cuh"
@@ -89,6 +90,21 @@ __device__ __forceinline__ void pack_p(const float (&sacc)[kSn][4], uint32_t (&p
     pa[kk][1] = pack2<kAct>(sacc[2 * kk][2], sacc[2 * kk][3]);
     pa[kk][2] = pack2<kAct>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
     pa[kk][3] = pack2<kAct>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
+  }
+}
+
+// P's packed fragments (pack_p's layout) into the 128-byte-swizzled P panel [64 rows][64 keys]
+// by stmatrix, four 8 x 8 tiles per instruction instead of four 4-byte stores: k block kk (16
+// keys) is the panel's chunks chunk0 + 2 kk and + 1; lane l gives the address of row l % 8 (+ 8
+// for l / 8 odd) of its warp's 16 rows in chunk + l / 16.
+template <int kKk>
+__device__ __forceinline__ void store_p_panel(const uint32_t (&pa)[kKk][4], uint32_t panel,
+                                              int warp, int lane, int chunk0) {
+  const int r = 16 * warp + ((lane >> 3) & 1) * 8 + (lane & 7);
+#pragma unroll
+  for (int kk = 0; kk < kKk; ++kk) {
+    sm90::stmatrix_x4(panel + sm90::sw128_offset(r, chunk0 + 2 * kk + (lane >> 4)), pa[kk][0],
+                      pa[kk][1], pa[kk][2], pa[kk][3]);
   }
 }
 
