@@ -113,15 +113,16 @@ struct Traits {
   /// accumulate their own 256 of the 512 kv_c columns, plus (both, redundantly) the 64 k_pe
   /// columns: 160 fp32 accumulators per thread.
   static constexpr int kThreads = 384;
-  /// setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 <= 65536 registers (a build that traces
-  /// the producer, trace.cuh, gives it room for its records: 128 x 40 + 256 x 232).
+  /// setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 <= 65536 registers for 16-bit caches;
+  /// 128 x 40 + 256 x 232 where the producer widens fp8 (at 24 its loop spilled 72 bytes:
+  /// [H100] 3.5-4.6% slower) or, with -DPAGEDATTN_MLA_TRACE_PRODUCER, keeps trace.cuh's records.
 #ifdef PAGEDATTN_MLA_TRACE_PRODUCER
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  static constexpr bool kWideProducer = true;
 #else
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  static constexpr bool kWideProducer = kKV == KVKind::kFp8;
 #endif
+  static constexpr int kProducerRegs = kWideProducer ? 40 : 24;
+  static constexpr int kConsumerRegs = kWideProducer ? 232 : 240;
   static constexpr Layout layout() {
     return layout_for(kKV, kC);
   }

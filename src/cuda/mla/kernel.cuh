@@ -12,7 +12,8 @@
 //   grid      x = num_seqs * num_m_tiles (M tile fastest), y = num_splits. A CTA owns kBlockM
 //             = 64 packed rows (row p = token p / N, head p % N; zero rows past the request) and
 //             the keys of its split, whole 64-key tiles.
-//   warps     384 threads. Warpgroup 0 (producer, 24 registers) copies Q once and every K tile
+//   warps     384 threads. Warpgroup 0 (producer, 24 registers; 40 where it widens fp8, see
+//             Traits) copies Q once and every K tile
 //             (64 keys x 576) into nine 128-byte-swizzled panels (the wgmma canonical layout):
 //             16-byte cp.async, 8 lanes per row, each lane one chunk of every panel (fixed
 //             swizzle, immediate offsets), row offsets from the block table in a smem table whose
