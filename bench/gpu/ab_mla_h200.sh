@@ -3,7 +3,8 @@
 # given, backend_ops --filter mla (the default route, five forced splits, cp.async copies, the
 # forced seesaw; the float64 reference with poisoned outputs) and compute-sanitizer memcheck,
 # then bench_mla on the points that matter, the builds interleaved point by point for ROUNDS
-# rounds, and a table of each build's best time per point with its ratio to the first build.
+# rounds, and a table of each build's best time per point with its ratio to the first build
+# (and that round's fraction of the copy rate and TFLOP/s).
 #
 #   OUT=... bash bench/gpu/ab_mla_h200.sh main=build/ab/main new=build/ab/mlap1 [...]
 #   OUT=... bash bench/gpu/ab_mla_h200.sh split=build/ab/new seesaw=build/ab/new@PAGEDATTN_CUDA_MLA=seesaw
@@ -76,6 +77,7 @@ import glob, re, sys
 from collections import defaultdict
 out, names = sys.argv[1], sys.argv[2:]
 best = defaultdict(dict)  # label -> name -> us
+at_best = {}  # (label, name) -> (x copy, TFLOP/s) of the best round
 rounds = defaultdict(list)  # (label, name) -> [(round, us)]
 pat = re.compile(r"^(.*?)\s+([0-9.]+) us\s+([0-9]+) GB/s\s+([0-9.]+) x copy\s+([0-9.]+) TFLOP/s")
 for n in names:
@@ -85,7 +87,9 @@ for n in names:
             m = pat.match(line)
             if m:
                 lab, us = m.group(1).strip(), float(m.group(2))
-                best[lab][n] = min(us, best[lab].get(n, 1e30))
+                if us < best[lab].get(n, 1e30):
+                    best[lab][n] = us
+                    at_best[(lab, n)] = (float(m.group(4)), float(m.group(5)))
                 rounds[(lab, n)].append((r, us))
 print(f"{'point':44s}" + "".join(f"{n:>12s}" for n in names) + "".join(
     f"{n + '/' + names[0]:>16s}" for n in names[1:]))
@@ -96,6 +100,11 @@ for lab, d in best.items():
                     for n in names[1:])
     print(f"{lab:44s}{row}{ratio}")
 print("(best of the rounds; ratio = first build's time / this build's: above 1 is faster)")
+print("x copy | TFLOP/s at the best round:")
+for lab in best:
+    print(f"  {lab:44s}" + "".join(
+        f"  {n} {at_best[(lab, n)][0]:.2f} | {at_best[(lab, n)][1]:.1f}" for n in names
+        if (lab, n) in at_best))
 print("per round (us, round 1 first):")
 for lab in best:
     for n in names:
