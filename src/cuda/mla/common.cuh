@@ -58,7 +58,8 @@ __device__ __forceinline__ bool mla_work(const MlaParams& p, Work& w) {
 }
 
 // The CTA's mbarriers: q_full, then full[kStages][kHalves] (producer -> consumers) and
-// empty[kStages][kHalves] (consumers -> producer); h: the half of a stage (config.h).
+// empty[kStages][kHalves] (consumers -> producer); kStages is the producer's ring (Traits::kRing:
+// the 16-bit stages, or fp8's raw slots), h the half of a stage (config.h).
 template <int kStages, int kHalves>
 struct Barriers {
   uint64_t* base;

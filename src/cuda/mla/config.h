@@ -9,7 +9,7 @@
 namespace pagedattn::cuda::mla {
 
 /// The latent cache is the activation type (kSame) or fp8 e4m3 (kFp8, widened exactly to the
-/// activation type in shared memory by the producer; k_scale folded into the logit scale).
+/// activation type in shared memory by the consumers; k_scale folded into the logit scale).
 enum class KVKind : uint8_t { kSame, kFp8 };
 
 /// How the two consumer warpgroups share a tile's work (kernel.cuh's map has the details).
@@ -44,20 +44,27 @@ struct Layout {
   int q_offset = 0;              ///< Q [9 panels][64 rows][64 cols] 16-bit, swizzled
   int stage_offset = 0;          ///< [stages] 16-bit K/V tiles [9 panels][64 keys][64 cols]
   int stage_bytes = 0;
-  int raw_offset = 0;  ///< fp8 only: [2][64 keys][576] bytes as copied (natural order)
+  int raw_offset = 0;  ///< fp8 only: [2 slots][64 keys][576] bytes as copied (natural order)
   int raw_bytes = 0;
   int table_offset = 0;  ///< [2][64] int64 byte offsets of a tile's rows (producer)
   int p_offset = 0;      ///< split-S, seesaw: P [64 rows][64 keys] 16-bit, one swizzled panel
   int xchg_offset = 0;   ///< split-S, seesaw: [2 warpgroups][64 rows] float row maxima / sums
-  int bar_offset = 0;    ///< mbarriers: q_full, full[stages][halves], empty[stages][halves]
+  int bar_offset = 0;    ///< mbarriers: q_full, full[ring][halves], empty[ring][halves]
   int total = 0;         ///< including 1024 bytes to align the dynamic base
 };
 
 /// 16-bit cache: two 16-bit stages (Q 72 KB + 2 x 72 KB = 216 KB). fp8: one 16-bit stage and
 /// two raw fp8 tiles (72 + 72 + 2 x 36 KB): the raw copies of the next tiles stay in flight while
-/// the producer widens the current one, which only waits for the consumers to free the stage.
+/// the consumers widen the current one into the stage.
 constexpr int stages_for(KVKind kv) {
   return kv == KVKind::kSame ? 2 : 1;
+}
+/// The ring the producer fills and the `full` / `empty` barriers count: the 16-bit stages, or
+/// for fp8 the two raw slots (the consumers widen a slot into the stage themselves: with the
+/// producer's 4 warps widening, [H100] 80 of the 247 us at h16 b64 c8192 were the widening in
+/// series with the consumers, whose chain alone took 166).
+constexpr int ring_for(KVKind kv) {
+  return kv == KVKind::kSame ? stages_for(kv) : 2;
 }
 
 /// A stage's barriers per part: the seesaw frees and refills each half of a stage on its own
@@ -83,7 +90,7 @@ constexpr Layout layout_for(KVKind kv, Consumer c) {
   s.table_offset = s.p_offset + (shares_p ? kBlockM * 128 : 0);
   s.xchg_offset = s.table_offset + 2 * kBlockN * 8;
   s.bar_offset = s.xchg_offset + (shares_p ? 2 * kBlockM * 4 : 0);
-  s.total = s.bar_offset + (1 + 2 * stages_for(kv) * halves_for(c)) * 8 + 1024;
+  s.total = s.bar_offset + (1 + 2 * ring_for(kv) * halves_for(c)) * 8 + 1024;
   return s;
 }
 
@@ -104,6 +111,7 @@ struct Traits {
   static_assert(kC != Consumer::kAuto, "find_mla() resolves kAuto");
   static_assert(kC != Consumer::kSeesaw || kKV == KVKind::kSame, "the seesaw needs two stages");
   static constexpr int kStages = stages_for(kKV);
+  static constexpr int kRing = ring_for(kKV);
   static constexpr int kHalves = halves_for(kC);
   static constexpr int kCacheBytes = kKV == KVKind::kSame ? 2 : 1;
   /// Output columns computed: the seesaw leaves out P k_pe (1/9 of its P V work, and
@@ -113,13 +121,12 @@ struct Traits {
   /// accumulate their own 256 of the 512 kv_c columns, plus (both, redundantly) the 64 k_pe
   /// columns: 160 fp32 accumulators per thread.
   static constexpr int kThreads = 384;
-  /// setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 <= 65536 registers for 16-bit caches;
-  /// 128 x 40 + 256 x 232 where the producer widens fp8 (at 24 its loop spilled 72 bytes:
-  /// [H100] 3.5-4.6% slower) or, with -DPAGEDATTN_MLA_TRACE_PRODUCER, keeps trace.cuh's records.
+  /// setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 <= 65536 registers; 128 x 40 + 256 x 232
+  /// with -DPAGEDATTN_MLA_TRACE_PRODUCER, where the producer keeps trace.cuh's records.
 #ifdef PAGEDATTN_MLA_TRACE_PRODUCER
   static constexpr bool kWideProducer = true;
 #else
-  static constexpr bool kWideProducer = kKV == KVKind::kFp8;
+  static constexpr bool kWideProducer = false;
 #endif
   static constexpr int kProducerRegs = kWideProducer ? 40 : 24;
   static constexpr int kConsumerRegs = kWideProducer ? 232 : 240;

@@ -12,12 +12,13 @@
 #include "cuda/mla/common.cuh"
 #include "cuda/mla/softmax.cuh"
 #include "cuda/mla/store.cuh"
+#include "cuda/mla/widen.cuh"
 
 namespace pagedattn::cuda::mla {
 
 template <class T>
 __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsigned char* smem,
-                                        Barriers<T::kStages, T::kHalves> bars, int n_tiles) {
+                                        Barriers<T::kRing, T::kHalves> bars, int n_tiles) {
   constexpr int kStages = T::kStages, kSn = kBlockN / 8;
   constexpr bool kBF16 = T::act == DType::kBF16;
   constexpr Layout lay = T::layout();
@@ -147,9 +148,11 @@ __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsig
     }
   } else {
     // One stage (fp8: the widened tile): P V must finish before the stage is refilled.
+    static_assert(T::kv == KVKind::kFp8);
+    constexpr int kBarConsumers = 2;  // named barrier of the 256 consumer threads
     for (int j = 0; j < n_tiles; ++j) {
-      mbar_wait(bars.full(0), full_parity(j));
-      ptx::fence_proxy_async(ptx::space_shared);
+      if (j > 0) sm90::named_barrier_sync(kBarConsumers, 256);  // both past tile j - 1's P V
+      widen_tile<T>(smem, bars, j, cw * 128 + ct, kBarConsumers, 256);
       float sacc[kSn][4], corr[2];
       issue_s(sacc, 0);
       sm90::wgmma_wait<0>();
@@ -161,7 +164,6 @@ __device__ __forceinline__ void consume(const MlaParams& p, const Work& w, unsig
       sm90::wgmma_wait<0>();
       sm90::fence_operands(o);
       sm90::fence_operands(o_pe);
-      ptx::mbarrier_arrive(bars.empty(0));
     }
   }
 

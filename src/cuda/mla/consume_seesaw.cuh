@@ -25,8 +25,7 @@ namespace pagedattn::cuda::mla {
 template <class T, int kC>
 __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work& w,
                                                  unsigned char* smem,
-                                                 Barriers<T::kStages, T::kHalves> bars,
-                                                 int n_tiles) {
+                                                 Barriers<T::kRing, T::kHalves> bars, int n_tiles) {
   constexpr int kSn = kBlockN / 8;
   constexpr bool kBF16 = T::act == DType::kBF16;
   static_assert(T::kOutCols == kLatent, "the seesaw computes the kv_c columns only");
@@ -246,7 +245,7 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
 template <class T>
 __device__ __forceinline__ void consume_seesaw(const MlaParams& p, const Work& w,
                                                unsigned char* smem,
-                                               Barriers<T::kStages, T::kHalves> bars, int n_tiles) {
+                                               Barriers<T::kRing, T::kHalves> bars, int n_tiles) {
   sm90::setmaxnreg_inc<T::kConsumerRegs>();
   if (threadIdx.x < 256) {
     seesaw_warpgroup<T, 0>(p, w, smem, bars, n_tiles);

@@ -12,15 +12,16 @@
 #include "cuda/mla/common.cuh"
 #include "cuda/mla/softmax.cuh"
 #include "cuda/mla/store.cuh"
+#include "cuda/mla/widen.cuh"
 
 namespace pagedattn::cuda::mla {
 
 template <class T>
 __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& w,
                                                 unsigned char* smem,
-                                                Barriers<T::kStages, T::kHalves> bars,
-                                                int n_tiles) {
+                                                Barriers<T::kRing, T::kHalves> bars, int n_tiles) {
   constexpr int kStages = T::kStages, kHalf = kBlockN / 2, kSn = kHalf / 8;
+  constexpr bool kFp8 = T::kv == KVKind::kFp8;
   constexpr bool kBF16 = T::act == DType::kBF16;
   constexpr Layout lay = T::layout();
   constexpr int kBarConsumers = 2;  // named barrier of the 256 consumer threads (1: producer)
@@ -49,8 +50,16 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
   mbar_wait(bars.q_full(), 0);
   for (int j = 0; j < n_tiles; ++j) {
     const int s = kStages == 1 ? 0 : j % kStages;
-    mbar_wait(bars.full(s), uint32_t((j / kStages) & 1));
-    ptx::fence_proxy_async(ptx::space_shared);
+    if constexpr (kFp8) {
+      // Both warpgroups past tile j - 1's P V: the stage is free to widen tile j into. Each
+      // widens the 32 keys its S reads (named barrier 3 + cw); P V reads the other's after the
+      // P barrier below, which both pass after their widening.
+      if (j > 0) sm90::named_barrier_sync(kBarConsumers, 256);
+      widen_tile<T>(smem, bars, j, cw * 128 + ct, 3 + cw, 128);
+    } else {
+      mbar_wait(bars.full(s), uint32_t((j / kStages) & 1));
+      ptx::fence_proxy_async(ptx::space_shared);
+    }
     const uint32_t k_base = stage0 + s * lay.stage_bytes;
 
     // S for this warpgroup's 32 keys: rows 32 cw .. of every K panel (+4096 B).
@@ -125,7 +134,7 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
     sm90::wgmma_wait<0>();
     sm90::fence_operands(o);
     sm90::fence_operands(o_pe);
-    ptx::mbarrier_arrive(bars.empty(s));
+    if constexpr (!kFp8) ptx::mbarrier_arrive(bars.empty(s));
   }
 
   // Row sums: thread ct of the other warpgroup holds the same rows' sums over the other half

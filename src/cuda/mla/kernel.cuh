@@ -12,8 +12,7 @@
 //   grid      x = num_seqs * num_m_tiles (M tile fastest), y = num_splits. A CTA owns kBlockM
 //             = 64 packed rows (row p = token p / N, head p % N; zero rows past the request) and
 //             the keys of its split, whole 64-key tiles.
-//   warps     384 threads. Warpgroup 0 (producer, 24 registers; 40 where it widens fp8, see
-//             Traits) copies Q once and every K tile
+//   warps     384 threads. Warpgroup 0 (producer, 24 registers) copies Q once and every K tile
 //             (64 keys x 576) into nine 128-byte-swizzled panels (the wgmma canonical layout):
 //             16-byte cp.async, 8 lanes per row, each lane one chunk of every panel (fixed
 //             swizzle, immediate offsets), row offsets from the block table in a smem table whose
@@ -21,8 +20,9 @@
 //             the pace before); completion arrives on the stage's `full` mbarrier. With
 //             p.kv_tma, full tiles of a 16-bit cache come instead by TMA (one box per panel
 //             and block, issued by thread 0 with the tile's byte count, L2 evict-first). fp8
-//             caches: the raw tile lands in a natural-order buffer (two of them, so the next tile's
-//             copies are in flight), each thread widens the chunks it copied into the 16-bit stage.
+//             caches: the raw tile lands in one of two natural-order slots (the next tile's
+//             copies in flight), which the consumers widen into the one 16-bit stage
+//             (widen.cuh) once they are past the previous tile's P V.
 //   redundant (PAGEDATTN_CUDA_MLA=redundant, kept as a comparison: 1.2-1.4x slower on the
 //             H200) warpgroups 1 and 2 (consumers, 240 registers) both compute the same S (wgmma
 //             SS, m64n64k16, 36 k steps) and softmax, then each accumulates O += P V for its 256 of
@@ -52,7 +52,8 @@
 //             stage has its own full / empty barriers, freed by its reader and refilled (owner's
 //             half first) while the other half is still read. The default above 64 heads.
 //   sync      mbarriers through CCCL's cuda::ptx: full[s] (128 producer arrivals), empty[s]
-//             (256 consumer arrivals); phases flip every kStages tiles. Consumers fence the
+//             (256 consumer arrivals) per slot s of the producer's ring (the 16-bit stages, or
+//             fp8's raw slots); phases flip every kRing tiles. Consumers fence the
 //             async proxy after a `full` wait, before their wgmmas read what the generic proxy
 //             (cp.async, st.shared) wrote.
 //   budget    smem 218 KB (config.h): Q 72 KB + two 16-bit stages of 72 KB, or (fp8) one stage
@@ -96,10 +97,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_consta
   if (!mla_work(p, w)) return;
   const int n_tiles = ceil_div(w.kv_end - w.kv_begin, kBlockN);
 
-  const Barriers<T::kStages, T::kHalves> bars{reinterpret_cast<uint64_t*>(smem + lay.bar_offset)};
+  const Barriers<T::kRing, T::kHalves> bars{reinterpret_cast<uint64_t*>(smem + lay.bar_offset)};
   if (threadIdx.x == 0) {
     ptx::mbarrier_init(bars.q_full(), 128);
-    for (int s = 0; s < T::kStages; ++s) {
+    for (int s = 0; s < T::kRing; ++s) {
       for (int h = 0; h < T::kHalves; ++h) {
         ptx::mbarrier_init(bars.full(s, h), 128);  // one arrival per producer thread
         // Both consumer warpgroups free a whole stage; a half only its reader (seesaw).

@@ -1,5 +1,6 @@
 // The MLA decode kernel's producer warpgroup: Q once, then every K tile of the split into the
-// stage ring (16-bit caches by TMA boxes or cp.async, fp8 caches widened). See kernel.cuh's map.
+// ring (16-bit caches into the stages by TMA boxes or cp.async, fp8 caches raw into two slots that
+// the consumers widen). See kernel.cuh's map.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +18,7 @@ namespace pagedattn::cuda::mla {
 
 template <class T>
 __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsigned char* smem,
-                                        Barriers<T::kStages, T::kHalves> bars, int n_tiles) {
+                                        Barriers<T::kRing, T::kHalves> bars, int n_tiles) {
   constexpr int kStages = T::kStages;
   constexpr int kQChunks = kEntry / 8;                      // 72 chunks of 16 bytes per Q row
   constexpr int kRowChunks = kEntry * T::kCacheBytes / 16;  // 72 (16-bit) or 36 (fp8) per key
@@ -41,7 +42,6 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
     sm80::cp_async_16(q_smem + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7), src,
                       bytes, 0);
   }
-  if constexpr (kFp8) sm80::cp_async_commit();  // the fp8 path counts its tiles in groups
   ptx::cp_async_mbarrier_arrive_noinc(bars.q_full());
 
   const int64_t sb = p.kv_stride_block * T::kCacheBytes, sp = p.kv_stride_page * T::kCacheBytes;
@@ -165,55 +165,18 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
     sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
     PAGEDATTN_MLA_TRACE_PRINT(tr);
   } else {
-    // Raw fp8 rows (576 bytes, 36 chunks) into raw buffer j % 2 in natural order; the thread
-    // that copied a chunk widens it, so its own cp.async.wait_group is all the ordering needed.
-    auto issue = [&](int j) {
+    // Raw fp8 rows (576 bytes, 36 chunks) into slot j % 2 in natural order, once the consumers
+    // have read tile j - 2 out of it (widen.cuh: they widen it into the stage).
+    for (int j = 0; j < n_tiles; ++j) {
+      const int slot = j & 1;
+      mbar_wait(bars.empty(slot), ((j >> 1) & 1) ^ 1);
       const int64_t* table = publish(j, next_off);
       next_off = lookup(j + 1);
-      const uint32_t raw = sm80::smem_addr(smem + lay.raw_offset + (j & 1) * lay.raw_bytes) +
+      const uint32_t raw = sm80::smem_addr(smem + lay.raw_offset + slot * lay.raw_bytes) +
                            lane_row * kEntry + lane_col * 16;
       copy_rows(table, raw, kLanes * 16, kRowsPerPass * kEntry, std::integral_constant<int, 0>{},
                 std::integral_constant<int, kPer>{});
-      sm80::cp_async_commit();
-    };
-    if (n_tiles > 0) issue(0);
-    for (int j = 0; j < n_tiles; ++j) {
-      if (j + 1 < n_tiles) {
-        issue(j + 1);
-        sm80::cp_async_wait<1>();
-      } else {
-        sm80::cp_async_wait<0>();
-      }
-      mbar_wait(bars.empty(0), (j & 1) ^ 1);  // the consumers are done with tile j - 1
-      const unsigned char* raw =
-          smem + lay.raw_offset + (j & 1) * lay.raw_bytes + lane_row * kEntry + lane_col * 16;
-      unsigned char* const stage = smem + lay.stage_offset;
-#pragma unroll
-      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
-        const int row = lane_row + kRowsPerPass * i;
-#pragma unroll 3
-        for (int k = 0; k < kPer; ++k) {
-          const uint4 v =
-              *reinterpret_cast<const uint4*>(raw + i * kRowsPerPass * kEntry + k * kLanes * 16);
-          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-          uint32_t wide[8];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            wide[2 * q] = fp8x2_to_16bit<T::act>(uint16_t(words[q] & 0xffffu), false);
-            wide[2 * q + 1] = fp8x2_to_16bit<T::act>(uint16_t(words[q] >> 16), false);
-          }
-          // 16 fp8 values of chunk col = lane_col + 4 k are 16-bit chunks 2 col and 2 col + 1
-          // of the row: panel k, chunks 2 lane_col and 2 lane_col + 1 within it.
-          unsigned char* const panel = stage + k * lay.kv_panel;
-          *reinterpret_cast<uint4*>(panel + sm90::sw128_offset(row, 2 * lane_col)) =
-              make_uint4(wide[0], wide[1], wide[2], wide[3]);
-          *reinterpret_cast<uint4*>(panel + sm90::sw128_offset(row, 2 * lane_col + 1)) =
-              make_uint4(wide[4], wide[5], wide[6], wide[7]);
-        }
-      }
-      // Generic-proxy stores, read next by wgmma (async proxy).
-      ptx::fence_proxy_async(ptx::space_shared);
-      ptx::mbarrier_arrive(bars.full(0));
+      ptx::cp_async_mbarrier_arrive_noinc(bars.full(slot));
     }
     sm80::cp_async_wait<0>();  // Q's copies too, when there was no tile
   }
