@@ -13,7 +13,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "src" / "cuda" / "arch" / "sm90" / "wgmma_ops.inc"
-NS = [32, 64, 80, 96, 128, 192, 256]
+NS = [16, 32, 64, 80, 96, 128, 192, 256]
 
 
 def accum(n):
@@ -33,15 +33,15 @@ def body():
             # SS: A and B from shared memory (descriptors).
             out.append(
                 f"template <> struct Wgmma<{n}, {flag}> {{\n"
-                f"  template <int kTransB>\n"
+                f"  template <int kTransB, int kTransA = 0>\n"
                 f"  __device__ __forceinline__ static void ss(float (&d)[{n // 8}][4], uint64_t a, "
                 f"uint64_t b, int accumulate) {{\n"
                 f"    asm volatile(\n"
                 f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 2}, 0;\\n"\n'
                 f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{regs}}}, %{k}, '
-                f'%{k + 1}, p, 1, 1, 0, %{k + 3};\\n}}\\n"\n'
+                f'%{k + 1}, p, 1, 1, %{k + 4}, %{k + 3};\\n}}\\n"\n'
                 f"        : {ops}\n"
-                f'        : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB));\n'
+                f'        : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB), "n"(kTransA));\n'
                 f"  }}\n"
                 # RS: A from registers (the m16n8k16 A fragment of each warp's 16 rows).
                 f"  template <int kTransB>\n"

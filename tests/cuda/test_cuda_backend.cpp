@@ -272,7 +272,8 @@ TEST(CudaBackendHost, MlaRouteFromTheEnvironmentAndTheHeadCount) {
   const std::pair<const char*, Consumer> spellings[] = {{"auto", Consumer::kAuto},
                                                         {"redundant", Consumer::kRedundant},
                                                         {"split-s", Consumer::kSplitS},
-                                                        {"seesaw", Consumer::kSeesaw}};
+                                                        {"seesaw", Consumer::kSeesaw},
+                                                        {"swap-ab", Consumer::kSwapAB}};
   for (const auto& [text, want] : spellings) {
     setenv(name, text, 1);
     EXPECT_EQ(cuda::backend_options_from_env().mla_consumer, want) << text;
@@ -304,6 +305,14 @@ TEST(CudaBackendHost, MlaRouteFromTheEnvironmentAndTheHeadCount) {
     k = cuda::mla::find_mla(act, act, 16, Consumer::kRedundant);
     ASSERT_NE(k, nullptr);
     EXPECT_EQ(k->consumer, Consumer::kRedundant);
+    EXPECT_EQ(k->block_m, 64);
+    // Swap AB: 16-row CTAs over either cache kind, the 512 latent columns.
+    for (DType cache : {act, DType::kFp8E4M3}) {
+      k = cuda::mla::find_mla(act, cache, 16, Consumer::kSwapAB);
+      ASSERT_NE(k, nullptr);
+      EXPECT_EQ(k->block_m, 16);
+      EXPECT_EQ(k->max_out_cols, cuda::mla::kLatent);
+    }
   }
   EXPECT_EQ(cuda::mla::find_mla(DType::kF32, DType::kF32, 128), nullptr);
   EXPECT_EQ(cuda::mla::find_mla(DType::kBF16, DType::kF16, 16), nullptr);

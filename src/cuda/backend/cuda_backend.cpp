@@ -92,11 +92,12 @@ BackendOptions backend_options_from_env() {
   }
   if (const char* s = std::getenv(kMlaEnvVar); s && *s) {
     const std::string v(s);
-    require(v == "auto" || v == "redundant" || v == "split-s" || v == "seesaw", kMlaEnvVar, " ('",
-            v, "') must be auto, redundant, split-s or seesaw");
+    require(v == "auto" || v == "redundant" || v == "split-s" || v == "seesaw" || v == "swap-ab",
+            kMlaEnvVar, " ('", v, "') must be auto, redundant, split-s, seesaw or swap-ab");
     o.mla_consumer = v == "redundant" ? mla::Consumer::kRedundant
                      : v == "split-s" ? mla::Consumer::kSplitS
                      : v == "seesaw"  ? mla::Consumer::kSeesaw
+                     : v == "swap-ab" ? mla::Consumer::kSwapAB
                                       : mla::Consumer::kAuto;
   }
   if (const char* s = std::getenv(kMlaCopyEnvVar); s && *s) {
@@ -227,10 +228,19 @@ class CudaBackend final : public Backend {
         is_mla_shape(config) && mla_reasons(config).empty()
             ? mla::find_mla(config.dtype, cache, config.num_heads, options_.mla_consumer)
             : nullptr;
+    if (mla_kernel != nullptr && options_.mla_consumer == mla::Consumer::kAuto) {
+      // The forward's choice (impl.cpp): swap AB for steps of at most its block of rows.
+      const mla::MlaKernel* narrow =
+          mla::find_mla(config.dtype, cache, config.num_heads, mla::Consumer::kSwapAB);
+      if (narrow != nullptr && int64_t(md.max_query_len) * config.num_heads <= narrow->block_m) {
+        mla_kernel = narrow;
+      }
+    }
     if (mla_kernel != nullptr && device < visible_device_count()) {
-      // Every request's rows on CTAs of mla::kBlockM (route_rows 0: the "prefill" row count).
+      // Every request's rows on CTAs of the kernel's block_m (route_rows 0: the "prefill" row
+      // count).
       plan = make_plan(md, config, device_props(device).num_sms, ctas_per_sm(*mla_kernel, device),
-                       0, mla::kBlockM);
+                       0, mla_kernel->block_m);
     } else if (kernel == nullptr || device >= visible_device_count()) {
       plan = make_plan(md, config, 0, 0);  // nothing to run on: an unsplit plan
     } else {

@@ -34,8 +34,8 @@ struct Work {
   int r, row0, num_rows, q_begin, q_len, kv_len, kv_begin, kv_end;
 };
 
-// False when the CTA has no rows (an M tile past its request's q_len * N rows).
-__device__ __forceinline__ bool mla_work(const MlaParams& p, Work& w) {
+// False when the CTA has no rows (an M tile of block_m rows past its request's q_len * N rows).
+__device__ __forceinline__ bool mla_work(const MlaParams& p, int block_m, Work& w) {
   // A request's M tiles, which read the same K/V tiles, are adjacent CTAs: [H100] 3-4% faster
   // at 128 heads than request-fastest (the pair num_seqs CTAs apart); 16 heads unchanged.
   const int x = int(blockIdx.x);
@@ -44,10 +44,10 @@ __device__ __forceinline__ bool mla_work(const MlaParams& p, Work& w) {
   w.q_begin = p.query_start_loc[w.r];
   w.q_len = p.query_start_loc[w.r + 1] - w.q_begin;
   w.kv_len = p.seq_lens[w.r];
-  w.row0 = tile * kBlockM;
+  w.row0 = tile * block_m;
   const int rows_total = w.q_len * p.num_heads;
   if (w.row0 >= rows_total) return false;
-  w.num_rows = min(kBlockM, rows_total - w.row0);
+  w.num_rows = min(block_m, rows_total - w.row0);
   // The last row sees the most keys; every key before it is in some row's range.
   const int last_token = (w.row0 + w.num_rows - 1) / p.num_heads;
   const int range_hi = max(0, w.kv_len - w.q_len + last_token + 1);

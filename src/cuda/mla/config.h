@@ -17,8 +17,11 @@ enum class KVKind : uint8_t { kSame, kFp8 };
 ///   kSplitS: each computes S for half of the keys, P goes through shared memory;
 ///   kSeesaw: each owns alternate tiles (whole S, softmax, P to shared memory) and half of O;
 ///     16-bit caches only (it needs two stages);
+///   kSwapAB: CTAs of 16 packed rows, S^T = K Q^T and O^T = V^T P^T (keys and latent columns
+///     on wgmma's M side, the rows on N = 16: no padded rows), S^T's k steps split between the
+///     warpgroups, O^T's columns too;
 ///   kAuto: what find_mla() picks for the cache kind and head count (never a Traits parameter).
-enum class Consumer : uint8_t { kAuto, kRedundant, kSplitS, kSeesaw };
+enum class Consumer : uint8_t { kAuto, kRedundant, kSplitS, kSeesaw, kSwapAB };
 
 /// The one latent head: kv_lora_rank 512 (kv_c, also the value) + qk_rope_head_dim 64 (k_pe).
 inline constexpr int kEntry = 576;
@@ -27,8 +30,13 @@ inline constexpr int kPanels = kEntry / 64;
 /// The kv_c columns: MLAAttention's output (it up-projects these), the seesaw's whole output.
 inline constexpr int kLatent = 512;
 /// Packed rows (q_len * N) per CTA: one wgmma M tile. 16 heads x 1 token fill a quarter of it
-/// (the zero rows cost tensor-core time, not bandwidth: decode is memory-bound there).
+/// (the zero rows cost tensor-core time and shared-memory reads: at 16 heads the consumers'
+/// chain, not the copies, binds an fp8 cache, and an H200's bandwidth would make it bind a
+/// 16-bit one). kSwapAB puts the rows on wgmma's N side instead: 16 per CTA.
 inline constexpr int kBlockM = 64;
+constexpr int block_m_for(Consumer c) {
+  return c == Consumer::kSwapAB ? 16 : kBlockM;
+}
 /// Keys per stage: 64 rows of 1152 bytes (72 KB at 16 bits), S = 64 x 64 per warpgroup.
 inline constexpr int kBlockN = 64;
 /// Split boundaries fall on whole tiles; a split keeps >= this many keys (the decode family's
@@ -39,16 +47,18 @@ inline constexpr int kMaxSmemPerCta = 227 * 1024;
 
 /// Byte offsets of the dynamic shared memory (after aligning the base to 1024 bytes).
 struct Layout {
-  int q_panel = kBlockM * 128;   ///< one Q panel: 64 rows x 128 B
+  int q_panel = kBlockM * 128;   ///< one Q panel: block_m_for() rows x 128 B
   int kv_panel = kBlockN * 128;  ///< one K/V panel: 64 keys x 128 B
-  int q_offset = 0;              ///< Q [9 panels][64 rows][64 cols] 16-bit, swizzled
+  int q_offset = 0;              ///< Q [9 panels][block m rows][64 cols] 16-bit, swizzled
   int stage_offset = 0;          ///< [stages] 16-bit K/V tiles [9 panels][64 keys][64 cols]
   int stage_bytes = 0;
   int raw_offset = 0;  ///< fp8 only: [2 slots][64 keys][576] bytes as copied (natural order)
   int raw_bytes = 0;
   int table_offset = 0;  ///< [2][64] int64 byte offsets of a tile's rows (producer)
   int p_offset = 0;      ///< split-S, seesaw: P [64 rows][64 keys] 16-bit, one swizzled panel
-  int xchg_offset = 0;   ///< split-S, seesaw: [2 warpgroups][64 rows] float row maxima / sums
+                         ///< (swap AB: P^T [16 rows][64 keys])
+  int xchg_offset = 0;   ///< split-S, seesaw: [2 warpgroups][64 rows] float row maxima / sums;
+                         ///< swap AB: [2][128 threads][8] partial S^T, then [2][4 warps][16]
   int bar_offset = 0;    ///< mbarriers: q_full, full[ring][halves], empty[ring][halves]
   int total = 0;         ///< including 1024 bytes to align the dynamic base
 };
@@ -79,17 +89,21 @@ inline constexpr int kHalfPanel = 4;
 
 constexpr Layout layout_for(KVKind kv, Consumer c) {
   const bool shares_p = c != Consumer::kRedundant;
+  const bool swap = c == Consumer::kSwapAB;
   Layout s;
+  s.q_panel = block_m_for(c) * 128;
   s.q_offset = 0;
-  s.stage_offset = kPanels * s.q_panel;
+  s.stage_offset = kPanels * s.q_panel;  // 9 x 2 KB keeps swap AB's stages 1024-aligned
   s.stage_bytes = kPanels * s.kv_panel;
   s.raw_offset = s.stage_offset + stages_for(kv) * s.stage_bytes;
   s.raw_bytes = kv == KVKind::kFp8 ? kBlockN * kEntry : 0;
   // P stays 1024-aligned: 2 raw tiles or 2 stages leave the running offset a multiple of 8 KB.
   s.p_offset = s.raw_offset + 2 * s.raw_bytes;
-  s.table_offset = s.p_offset + (shares_p ? kBlockM * 128 : 0);
+  s.table_offset = s.p_offset + (shares_p ? block_m_for(c) * 128 : 0);
   s.xchg_offset = s.table_offset + 2 * kBlockN * 8;
-  s.bar_offset = s.xchg_offset + (shares_p ? 2 * kBlockM * 4 : 0);
+  s.bar_offset = s.xchg_offset + (swap       ? 2 * 128 * 8 * 4 + 2 * 4 * 16 * 4
+                                  : shares_p ? 2 * kBlockM * 4
+                                             : 0);
   s.total = s.bar_offset + (1 + 2 * ring_for(kv) * halves_for(c)) * 8 + 1024;
   return s;
 }
@@ -113,10 +127,12 @@ struct Traits {
   static constexpr int kStages = stages_for(kKV);
   static constexpr int kRing = ring_for(kKV);
   static constexpr int kHalves = halves_for(kC);
+  static constexpr int kBlockM = block_m_for(kC);
   static constexpr int kCacheBytes = kKV == KVKind::kSame ? 2 : 1;
   /// Output columns computed: the seesaw leaves out P k_pe (1/9 of its P V work, and
   /// warpgroup 1's half of O no longer larger than warpgroup 0's), the others compute all 576.
-  static constexpr int kOutCols = kC == Consumer::kSeesaw ? kLatent : kEntry;
+  static constexpr int kOutCols =
+      kC == Consumer::kSeesaw || kC == Consumer::kSwapAB ? kLatent : kEntry;
   /// Warpgroup 0 produces; warpgroups 1 and 2 each compute the same S and softmax and
   /// accumulate their own 256 of the 512 kv_c columns, plus (both, redundantly) the 64 k_pe
   /// columns: 160 fp32 accumulators per thread.

@@ -51,6 +51,17 @@
 //             panels 4-7 (panel 8, k_pe, only S reads; it stays in the second half): each half of a
 //             stage has its own full / empty barriers, freed by its reader and refilled (owner's
 //             half first) while the other half is still read. The default above 64 heads.
+//   swap AB   (Consumer::kSwapAB: auto's kernel for steps of at most 16 packed rows a request,
+//             i.e. 16 heads x 1 token; PAGEDATTN_CUDA_MLA=swap-ab) CTAs of 16 rows (Q's panels
+//             16 rows), the products transposed so that the rows are N = 16: S^T = K Q^T
+//             (m64n16k16 SS, the stage and Q as they are), warpgroup c's partial over k steps
+//             18 c .. 18 c + 17, the partials swapped through shared memory (thread ct of both
+//             holds the same pairs), the same softmax in both on the sums (row maxima over the
+//             warps through shared memory), P^T into one 16-row panel (warpgroup c its rows
+//             8 c ..), O^T += V^T P^T (m64n16k16 SS with A MN-major: the stage's panels 4 c ..
+//             4 c + 3, warpgroup c's 256 output columns). The 512 latent columns only. No padded
+//             rows: ~170 KB of shared-memory reads per tile against split-S's ~328 KB, a quarter
+//             of the tensor work (consume_swap_ab.cuh).
 //   sync      mbarriers through CCCL's cuda::ptx: full[s] (128 producer arrivals), empty[s]
 //             (256 consumer arrivals) per slot s of the producer's ring (the 16-bit stages, or
 //             fp8's raw slots); phases flip every kRing tiles. Consumers fence the
@@ -74,6 +85,7 @@
 #include "cuda/mla/consume_redundant.cuh"
 #include "cuda/mla/consume_seesaw.cuh"
 #include "cuda/mla/consume_split_s.cuh"
+#include "cuda/mla/consume_swap_ab.cuh"
 #include "cuda/mla/launch.h"
 #include "cuda/mla/params.h"
 #include "cuda/mla/produce.cuh"
@@ -94,7 +106,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_consta
   sm80::launch_dependent_grids();
 
   Work w;
-  if (!mla_work(p, w)) return;
+  if (!mla_work(p, T::kBlockM, w)) return;
   const int n_tiles = ceil_div(w.kv_end - w.kv_begin, kBlockN);
 
   const Barriers<T::kRing, T::kHalves> bars{reinterpret_cast<uint64_t*>(smem + lay.bar_offset)};
@@ -117,6 +129,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_consta
     consume_split_s<T>(p, w, smem, bars, n_tiles);
   } else if constexpr (T::consumer == Consumer::kSeesaw) {
     consume_seesaw<T>(p, w, smem, bars, n_tiles);
+  } else if constexpr (T::consumer == Consumer::kSwapAB) {
+    consume_swap_ab<T>(p, w, smem, bars, n_tiles);
   } else {
     consume<T>(p, w, smem, bars, n_tiles);
   }

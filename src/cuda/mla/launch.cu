@@ -11,6 +11,7 @@ const std::vector<MlaKernel>& mla_kernels() {
    KVKind::kv,                                                   \
    Consumer::c,                                                  \
    Traits<DType::act, KVKind::kv, Consumer::c>::kOutCols,        \
+   Traits<DType::act, KVKind::kv, Consumer::c>::kBlockM,         \
    &MlaOps<Traits<DType::act, KVKind::kv, Consumer::c>>::launch, \
    &MlaOps<Traits<DType::act, KVKind::kv, Consumer::c>>::ctas_per_sm},
 #define PAGEDATTN_MLA_COMBINE_INSTANCE(act)
@@ -40,6 +41,8 @@ const char* consumer_name(Consumer c) {
       return "split-s";
     case Consumer::kSeesaw:
       return "seesaw";
+    case Consumer::kSwapAB:
+      return "swap-ab";
     case Consumer::kAuto:
       break;
   }
@@ -49,6 +52,8 @@ const char* consumer_name(Consumer c) {
 // [H100, bench/results/2026-12-05-h100-mla-seesaw-halves.txt] the seesaw with per-half stage
 // release: 128 heads x 1 token 1.04-1.10x split-S (two M tiles per request, L2 serves the
 // second CTA's reads: latency-bound); 16 heads 0.93-0.96x (DRAM-bound: one M tile).
+// Swap AB is not a default here: it serves steps, not configurations (the backend takes it
+// under auto when a step's requests have at most its 16 rows: impl.cpp, cuda_backend.cpp's plan).
 Consumer default_consumer(KVKind kv, int num_heads) {
   return kv == KVKind::kSame && num_heads > kBlockM ? Consumer::kSeesaw : Consumer::kSplitS;
 }

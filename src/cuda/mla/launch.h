@@ -18,6 +18,7 @@ struct MlaKernel {
   KVKind kv;
   Consumer consumer;  ///< Traits::consumer: how the two consumer warpgroups share a tile
   int max_out_cols;   ///< Traits::kOutCols: the widest output it writes (512 or 576)
+  int block_m;        ///< Traits::kBlockM: packed rows per CTA (num_m_tiles = ceil(rows / it))
   void (*launch)(const MlaParams& params, cudaStream_t stream);
   /// CTAs one SM holds (for the split planner); prepares the shared memory limit first.
   int (*ctas_per_sm)(int device);

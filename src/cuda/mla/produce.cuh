@@ -29,7 +29,7 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
 
   // Q: packed row i -> token (row0 + i) / N, head (row0 + i) % N; zeros past the rows.
   const uint32_t q_smem = sm80::smem_addr(smem + lay.q_offset);
-  for (int c = ct; c < kBlockM * kQChunks; c += 128) {
+  for (int c = ct; c < T::kBlockM * kQChunks; c += 128) {
     const int row = c / kQChunks, col = c - row * kQChunks;
     const char* src = static_cast<const char*>(p.q);
     int bytes = 0;

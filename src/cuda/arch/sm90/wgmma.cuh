@@ -14,7 +14,8 @@ namespace pagedattn::cuda::sm90 {
 /// mma.sync m16n8k16 accumulator layout, one n tile per i. `accumulate` 0 overwrites D.
 ///   ss: A and B from shared memory (descriptors);
 ///   rs: A from registers, the m16n8k16 A fragment of the warp's 16 rows.
-/// kTransB: 0 = B is K-major (contiguous along k), 1 = MN-major (contiguous along n).
+/// kTransB: 0 = B is K-major (contiguous along k), 1 = MN-major (contiguous along n); ss's
+/// kTransA the same for A (1: contiguous along m, e.g. V read as V^T).
 template <int N, bool kBF16>
 struct Wgmma;
 /// D (m64 x N, fp32) += A (m64 x k32) * B (k32 x N), both e4m3 and K-major (fp8 wgmma has no
