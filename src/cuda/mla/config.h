@@ -52,7 +52,7 @@ struct Layout {
   int q_offset = 0;              ///< Q [9 panels][block m rows][64 cols] 16-bit, swizzled
   int stage_offset = 0;          ///< [stages] 16-bit K/V tiles [9 panels][64 keys][64 cols]
   int stage_bytes = 0;
-  int raw_offset = 0;  ///< fp8 only: [2 slots][64 keys][576] bytes as copied (natural order)
+  int raw_offset = 0;  ///< fp8 only: [raw slots][64 keys][576] bytes as copied (natural order)
   int raw_bytes = 0;
   int table_offset = 0;  ///< [2][64] int64 byte offsets of a tile's rows (producer)
   int p_offset = 0;      ///< split-S, seesaw: P [64 rows][64 keys] 16-bit, one swizzled panel
@@ -65,16 +65,21 @@ struct Layout {
 
 /// 16-bit cache: two 16-bit stages (Q 72 KB + 2 x 72 KB = 216 KB). fp8: one 16-bit stage and
 /// two raw fp8 tiles (72 + 72 + 2 x 36 KB): the raw copies of the next tiles stay in flight while
-/// the consumers widen the current one into the stage.
-constexpr int stages_for(KVKind kv) {
-  return kv == KVKind::kSame ? 2 : 1;
+/// the consumers widen the current one into the stage. Swap AB's Q is 18 KB, so over fp8 it has
+/// two 16-bit stages and one raw slot (18 + 2 x 72 + 36 KB): the consumers widen tile j + 1 into
+/// the other stage while tile j's P V runs.
+constexpr int stages_for(KVKind kv, Consumer c) {
+  return kv == KVKind::kSame || c == Consumer::kSwapAB ? 2 : 1;
+}
+constexpr int raw_slots_for(KVKind kv, Consumer c) {
+  return kv == KVKind::kSame ? 0 : c == Consumer::kSwapAB ? 1 : 2;
 }
 /// The ring the producer fills and the `full` / `empty` barriers count: the 16-bit stages, or
-/// for fp8 the two raw slots (the consumers widen a slot into the stage themselves: with the
+/// for fp8 the raw slots (the consumers widen a slot into a stage themselves: with the
 /// producer's 4 warps widening, [H100] 80 of the 247 us at h16 b64 c8192 were the widening in
 /// series with the consumers, whose chain alone took 166).
-constexpr int ring_for(KVKind kv) {
-  return kv == KVKind::kSame ? stages_for(kv) : 2;
+constexpr int ring_for(KVKind kv, Consumer c) {
+  return kv == KVKind::kSame ? stages_for(kv, c) : raw_slots_for(kv, c);
 }
 
 /// A stage's barriers per part: the seesaw frees and refills each half of a stage on its own
@@ -95,16 +100,16 @@ constexpr Layout layout_for(KVKind kv, Consumer c) {
   s.q_offset = 0;
   s.stage_offset = kPanels * s.q_panel;  // 9 x 2 KB keeps swap AB's stages 1024-aligned
   s.stage_bytes = kPanels * s.kv_panel;
-  s.raw_offset = s.stage_offset + stages_for(kv) * s.stage_bytes;
+  s.raw_offset = s.stage_offset + stages_for(kv, c) * s.stage_bytes;
   s.raw_bytes = kv == KVKind::kFp8 ? kBlockN * kEntry : 0;
   // P stays 1024-aligned: 2 raw tiles or 2 stages leave the running offset a multiple of 8 KB.
-  s.p_offset = s.raw_offset + 2 * s.raw_bytes;
+  s.p_offset = s.raw_offset + raw_slots_for(kv, c) * s.raw_bytes;
   s.table_offset = s.p_offset + (shares_p ? block_m_for(c) * 128 : 0);
   s.xchg_offset = s.table_offset + 2 * kBlockN * 8;
   s.bar_offset = s.xchg_offset + (swap       ? 2 * 128 * 8 * 4 + 2 * 4 * 16 * 4
                                   : shares_p ? 2 * kBlockM * 4
                                              : 0);
-  s.total = s.bar_offset + (1 + 2 * ring_for(kv) * halves_for(c)) * 8 + 1024;
+  s.total = s.bar_offset + (1 + 2 * ring_for(kv, c) * halves_for(c)) * 8 + 1024;
   return s;
 }
 
@@ -124,8 +129,9 @@ struct Traits {
   static_assert(kAct == DType::kF16 || kAct == DType::kBF16);
   static_assert(kC != Consumer::kAuto, "find_mla() resolves kAuto");
   static_assert(kC != Consumer::kSeesaw || kKV == KVKind::kSame, "the seesaw needs two stages");
-  static constexpr int kStages = stages_for(kKV);
-  static constexpr int kRing = ring_for(kKV);
+  static constexpr int kStages = stages_for(kKV, kC);
+  static constexpr int kRawSlots = raw_slots_for(kKV, kC);
+  static constexpr int kRing = ring_for(kKV, kC);
   static constexpr int kHalves = halves_for(kC);
   static constexpr int kBlockM = block_m_for(kC);
   static constexpr int kCacheBytes = kKV == KVKind::kSame ? 2 : 1;

@@ -10,7 +10,9 @@
 //   O^T [512 cols][16 rows] += V^T [512][64 keys] . P^T  (m64n16k16 SS, V^T the stage's panels
 //       read MN-major, P^T one 16-row panel), warpgroup c the columns 256 c .. 256 c + 255;
 // ~170 KB of shared-memory reads per tile. Both warpgroups run the same softmax on the summed
-// S^T (8 scores per thread); each writes half of P^T's rows.
+// S^T (8 scores per thread); each writes half of P^T's rows. Q's 18 KB leave room for two 16-bit
+// stages over an fp8 cache too: the consumers widen tile j + 1 into the other stage while tile
+// j's P V runs ([H100] +9-11% over one stage, 2026-12-06-h100-mla-swap-ab-fp8-stages.txt).
 #pragma once
 
 #include <cstdint>
@@ -94,14 +96,16 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     }
   };
 
+  static_assert(kStages == 2, "fp8: tile j + 1 is widened while tile j's P V reads the other");
   mbar_wait(bars.q_full(), 0);
+  // fp8: both warpgroups read every key of a widened tile (barrier of both). Tile j + 1 is
+  // widened below while tile j's P V runs.
+  if constexpr (kFp8) {
+    if (n_tiles > 0) widen_tile<T>(smem, bars, 0, cw * 128 + ct, kBarBoth, 256);
+  }
   for (int j = 0; j < n_tiles; ++j) {
-    const int s = kStages == 1 ? 0 : j % kStages;
-    if constexpr (kFp8) {
-      // Both warpgroups past tile j - 1's P V; both read every key of the widened tile.
-      if (j > 0) sm90::named_barrier_sync(kBarBoth, 256);
-      widen_tile<T>(smem, bars, j, cw * 128 + ct, kBarBoth, 256);
-    } else {
+    const int s = j % kStages;
+    if constexpr (!kFp8) {
       mbar_wait(bars.full(s), uint32_t((j / kStages) & 1));
       ptx::fence_proxy_async(ptx::space_shared);
     }
@@ -206,6 +210,11 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
       }
     }
     sm90::wgmma_commit();
+    if constexpr (kFp8) {
+      // The other stage was last read by tile j - 1's P V, which both warpgroups waited for
+      // before this tile's exchange barrier.
+      if (j + 1 < n_tiles) widen_tile<T>(smem, bars, j + 1, cw * 128 + ct, kBarBoth, 256);
+    }
     sm90::wgmma_wait<0>();
     sm90::fence_operands(ot[0]);
     sm90::fence_operands(ot[1]);

@@ -61,7 +61,8 @@
 //             8 c ..), O^T += V^T P^T (m64n16k16 SS with A MN-major: the stage's panels 4 c ..
 //             4 c + 3, warpgroup c's 256 output columns). The 512 latent columns only. No padded
 //             rows: ~170 KB of shared-memory reads per tile against split-S's ~328 KB, a quarter
-//             of the tensor work (consume_swap_ab.cuh).
+//             of the tensor work (consume_swap_ab.cuh). Over fp8 two 16-bit stages and one raw
+//             slot: tile j + 1 is widened while tile j's P V runs.
 //   sync      mbarriers through CCCL's cuda::ptx: full[s] (128 producer arrivals), empty[s]
 //             (256 consumer arrivals) per slot s of the producer's ring (the 16-bit stages, or
 //             fp8's raw slots); phases flip every kRing tiles. Consumers fence the

@@ -165,11 +165,12 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
     sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
     PAGEDATTN_MLA_TRACE_PRINT(tr);
   } else {
-    // Raw fp8 rows (576 bytes, 36 chunks) into slot j % 2 in natural order, once the consumers
-    // have read tile j - 2 out of it (widen.cuh: they widen it into the stage).
+    // Raw fp8 rows (576 bytes, 36 chunks) into slot j % kRawSlots in natural order, once the
+    // consumers have read the slot's previous tile out of it (widen.cuh: they widen it).
+    constexpr int kSlots = T::kRawSlots;
     for (int j = 0; j < n_tiles; ++j) {
-      const int slot = j & 1;
-      mbar_wait(bars.empty(slot), ((j >> 1) & 1) ^ 1);
+      const int slot = j % kSlots;
+      mbar_wait(bars.empty(slot), ((j / kSlots) & 1) ^ 1);
       const int64_t* table = publish(j, next_off);
       next_off = lookup(j + 1);
       const uint32_t raw = sm80::smem_addr(smem + lay.raw_offset + slot * lay.raw_bytes) +
