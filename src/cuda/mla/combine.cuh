@@ -16,6 +16,7 @@
 #include "cuda/common/dtypes.cuh"
 #include "cuda/mla/common.cuh"
 #include "cuda/mla/launch.h"
+#include "cuda/mla/store.cuh"
 
 namespace pagedattn::cuda::mla {
 
@@ -75,15 +76,7 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta)
       }
     }
   }
-  if (p.lse != nullptr && lane == 0) {
-    const float lse2 = sum > 0.0f ? mx + log2f(sum) : -INFINITY;
-    const int64_t at = int64_t(h) * p.lse_stride_head + int64_t(t) * p.lse_stride_token;
-    if (p.lse_is_f64) {
-      static_cast<double*>(p.lse)[at] = double(lse2 * kLn2);
-    } else {
-      static_cast<float*>(p.lse)[at] = lse2 * kLn2;
-    }
-  }
+  if (p.lse != nullptr && lane == 0) store_lse(p, h, t, sum > 0.0f ? mx + log2f(sum) : -INFINITY);
 }
 
 template <DType kAct>

@@ -22,6 +22,7 @@
 #include "cuda/arch/sm90/wgmma.cuh"
 #include "cuda/common/dtypes.cuh"
 #include "cuda/mla/common.cuh"
+#include "cuda/mla/store.cuh"
 #include "cuda/mla/widen.cuh"
 
 namespace pagedattn::cuda::mla {
@@ -255,14 +256,7 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
       if (col < p.out_cols) store_from_float<T::act>(out, col, ot[n][i][c0] * factor);
       if (col + 8 < p.out_cols) store_from_float<T::act>(out, col + 8, ot[n][i][c0 + 2] * factor);
     }
-    if (cw == 0 && warp == 0 && g == 0 && p.lse != nullptr) {
-      const int64_t at = int64_t(head) * p.lse_stride_head + int64_t(t) * p.lse_stride_token;
-      if (p.lse_is_f64) {
-        static_cast<double*>(p.lse)[at] = double(lse2 * kLn2);
-      } else {
-        static_cast<float*>(p.lse)[at] = lse2 * kLn2;
-      }
-    }
+    if (cw == 0 && warp == 0 && g == 0 && p.lse != nullptr) store_lse(p, head, t, lse2);
   }
 }
 

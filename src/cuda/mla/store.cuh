@@ -9,6 +9,17 @@
 
 namespace pagedattn::cuda::mla {
 
+// A row's natural-log LSE into the caller's [num_heads, num_tokens] tensor (float or double);
+// lse2 is in log2 units.
+__device__ __forceinline__ void store_lse(const MlaParams& p, int head, int t, float lse2) {
+  const int64_t at = int64_t(head) * p.lse_stride_head + int64_t(t) * p.lse_stride_token;
+  if (p.lse_is_f64) {
+    static_cast<double*>(p.lse)[at] = double(lse2 * kLn2);
+  } else {
+    static_cast<float*>(p.lse)[at] = lse2 * kLn2;
+  }
+}
+
 // This thread's rows row_a and row_a + 8 out: normalise by the row sums (l: this thread's part,
 // a row's sum is spread over its quad), v scale; the output's first p.out_cols columns and the
 // LSE, or the split partials (every column computed). Warpgroup cw writes kv_c columns 256 cw ..
@@ -75,16 +86,7 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w,
         put(pe0 + 8 * i + 2 * t4, o_pe[i][2 * h] * factor, o_pe[i][2 * h + 1] * factor);
       }
     }
-    if (cw == 0) {
-      if (p.lse != nullptr && t4 == 0) {
-        const int64_t at = int64_t(head) * p.lse_stride_head + int64_t(t) * p.lse_stride_token;
-        if (p.lse_is_f64) {
-          static_cast<double*>(p.lse)[at] = double(lse2 * kLn2);
-        } else {
-          static_cast<float*>(p.lse)[at] = lse2 * kLn2;
-        }
-      }
-    }
+    if (cw == 0 && p.lse != nullptr && t4 == 0) store_lse(p, head, t, lse2);
   }
 }
 
