@@ -318,6 +318,34 @@ TEST(CudaBackendHost, MlaRouteFromTheEnvironmentAndTheHeadCount) {
   EXPECT_EQ(cuda::mla::find_mla(DType::kBF16, DType::kF16, 16), nullptr);
 }
 
+// Per step: swap AB (auto's narrow kernel) only where every request's rows fit its 16-row CTA
+// and the output is the latent width; the configured kernel where the output fits it; auto's
+// wide kernel for the rest; nothing where none fits (the forward's NotSupported).
+TEST(CudaBackendHost, MlaKernelPerStep) {
+  using cuda::mla::Consumer;
+  using cuda::mla::mla_for_step;
+  const cuda::mla::MlaKernel* split = cuda::mla::find_mla(DType::kBF16, DType::kBF16, 16);
+  const cuda::mla::MlaKernel* swap =
+      cuda::mla::find_mla(DType::kBF16, DType::kBF16, 16, Consumer::kSwapAB);
+  const cuda::mla::MlaKernel* seesaw = cuda::mla::find_mla(DType::kBF16, DType::kBF16, 128);
+  ASSERT_NE(split, nullptr);
+  ASSERT_NE(swap, nullptr);
+  ASSERT_NE(seesaw, nullptr);
+  // 16 heads: one token a request fits swap AB; two do not; 576 columns do not.
+  EXPECT_EQ(mla_for_step(split, nullptr, swap, 1, 16, 512), swap);
+  EXPECT_EQ(mla_for_step(split, nullptr, swap, 1, 16, 301), swap);
+  EXPECT_EQ(mla_for_step(split, nullptr, swap, 2, 16, 512), split);
+  EXPECT_EQ(mla_for_step(split, nullptr, swap, 1, 16, 576), split);
+  EXPECT_EQ(mla_for_step(split, nullptr, swap, 4, 4, 512), swap);  // 16 rows
+  // A forced kernel (no narrow, no wide): itself where the output fits, else nothing.
+  EXPECT_EQ(mla_for_step(swap, nullptr, nullptr, 1, 16, 512), swap);
+  EXPECT_EQ(mla_for_step(swap, nullptr, nullptr, 2, 16, 512), swap);
+  EXPECT_EQ(mla_for_step(swap, nullptr, nullptr, 1, 16, 576), nullptr);
+  // 128 heads under auto: the seesaw, split-S for 576 columns.
+  EXPECT_EQ(mla_for_step(seesaw, split, swap, 1, 128, 512), seesaw);
+  EXPECT_EQ(mla_for_step(seesaw, split, swap, 1, 128, 576), split);
+}
+
 TEST(CudaBackendHost, PrefillWalkVisitsEveryWorkTileOnceGroupByGroup) {
   for (int pairs : {1, 5, 8, 37}) {
     for (int q_tiles : {1, 3, 32}) {

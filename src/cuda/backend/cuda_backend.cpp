@@ -229,12 +229,11 @@ class CudaBackend final : public Backend {
             ? mla::find_mla(config.dtype, cache, config.num_heads, options_.mla_consumer)
             : nullptr;
     if (mla_kernel != nullptr && options_.mla_consumer == mla::Consumer::kAuto) {
-      // The forward's choice (impl.cpp): swap AB for steps of at most its block of rows.
-      const mla::MlaKernel* narrow =
-          mla::find_mla(config.dtype, cache, config.num_heads, mla::Consumer::kSwapAB);
-      if (narrow != nullptr && int64_t(md.max_query_len) * config.num_heads <= narrow->block_m) {
-        mla_kernel = narrow;
-      }
+      // The forward's choice (impl.cpp), asked with the latent width (see mla_for_step).
+      mla_kernel = mla::mla_for_step(
+          mla_kernel, nullptr,
+          mla::find_mla(config.dtype, cache, config.num_heads, mla::Consumer::kSwapAB),
+          md.max_query_len, config.num_heads, mla::kLatent);
     }
     if (mla_kernel != nullptr && device < visible_device_count()) {
       // Every request's rows on CTAs of the kernel's block_m (route_rows 0: the "prefill" row

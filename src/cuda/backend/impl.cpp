@@ -498,11 +498,8 @@ void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {
   require<NotSupported>(a.output.stride(2) == 1,
                         "cuda backend: output rows must be contiguous; got ", describe(a.output));
   const int out_cols = int(a.output.size(2));
-  const mla::MlaKernel* kernel = out_cols <= mla_->max_out_cols ? mla_ : mla_wide_;
-  if (mla_narrow_ != nullptr && out_cols <= mla_narrow_->max_out_cols &&
-      int64_t(md.max_query_len) * cfg.num_heads <= mla_narrow_->block_m) {
-    kernel = mla_narrow_;
-  }
+  const mla::MlaKernel* const kernel =
+      mla::mla_for_step(mla_, mla_wide_, mla_narrow_, md.max_query_len, cfg.num_heads, out_cols);
   require<NotSupported>(kernel != nullptr, "cuda backend: the MLA kernel ", kMlaEnvVar, "=",
                         mla::consumer_name(mla_->consumer), " writes at most ", mla_->max_out_cols,
                         " latent columns; output is ", describe(a.output),

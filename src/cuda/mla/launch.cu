@@ -75,6 +75,17 @@ const MlaKernel* find_mla(DType act, DType cache, int num_heads, Consumer consum
   return nullptr;
 }
 
+const MlaKernel* mla_for_step(const MlaKernel* configured, const MlaKernel* wide,
+                              const MlaKernel* narrow, int64_t max_query_len, int num_heads,
+                              int out_cols) {
+  if (narrow != nullptr && out_cols <= narrow->max_out_cols &&
+      max_query_len * num_heads <= narrow->block_m) {
+    return narrow;
+  }
+  if (configured != nullptr && out_cols <= configured->max_out_cols) return configured;
+  return wide != nullptr && out_cols <= wide->max_out_cols ? wide : nullptr;
+}
+
 const MlaCombineKernel* find_mla_combine(DType act) {
   for (const MlaCombineKernel& k : mla_combine_kernels())
     if (k.act == act) return &k;

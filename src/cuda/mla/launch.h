@@ -57,4 +57,14 @@ const MlaKernel* find_mla(DType act, DType cache, int num_heads,
                           Consumer consumer = Consumer::kAuto);
 const MlaCombineKernel* find_mla_combine(DType act);
 
+/// The kernel one step runs: `narrow` (auto's swap AB; null otherwise) when every request's rows
+/// fit its CTA (max_query_len * num_heads <= block_m) and the output its width, else the
+/// configured kernel when the output fits it, else `wide` (auto's split-S for 576 columns; null
+/// otherwise). Null when none fits. The split planner asks with the latent width (it does not
+/// know the output's): where that picks swap AB and the forward's wider output picks split-S,
+/// both put each request's <= 16 rows on one CTA, so the plan holds for either.
+const MlaKernel* mla_for_step(const MlaKernel* configured, const MlaKernel* wide,
+                              const MlaKernel* narrow, int64_t max_query_len, int num_heads,
+                              int out_cols);
+
 }  // namespace pagedattn::cuda::mla
