@@ -69,7 +69,8 @@
 //             async proxy after a `full` wait, before their wgmmas read what the generic proxy
 //             (cp.async, st.shared) wrote.
 //   budget    smem 218 KB (config.h): Q 72 KB + two 16-bit stages of 72 KB, or (fp8) one stage
-//             and two raw fp8 tiles of 36 KB. One CTA per SM.
+//             and two raw fp8 tiles of 36 KB; swap AB ~210 KB: Q 18 KB + two stages (+ one raw
+//             slot over fp8) + its exchange buffers. One CTA per SM.
 //   test      backend_ops --device cuda --filter mla (float64 reference, poisoned outputs);
 //             bench/gpu/bench_mla; docs/kernel_notes.md "mla decode".
 #pragma once
