@@ -22,6 +22,7 @@
 #include "cuda/arch/sm90/wgmma.cuh"
 #include "cuda/common/dtypes.cuh"
 #include "cuda/mla/common.cuh"
+#include "cuda/mla/softmax.cuh"
 #include "cuda/mla/store.cuh"
 #include "cuda/mla/widen.cuh"
 
@@ -49,12 +50,8 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
   auto row_of = [&](int rr) { return 8 * (rr >> 1) + 2 * t4 + (rr & 1); };
   int hi[4];  // keys row rr may see: [kv_begin, hi[rr]); rows past the request see the split
 #pragma unroll
-  for (int rr = 0; rr < 4; ++rr) {
-    const int row = row_of(rr);
-    hi[rr] = row < w.num_rows ? min(w.kv_len - w.q_len + (w.row0 + row) / p.num_heads + 1, w.kv_end)
-                              : w.kv_end;
-  }
-  const int mask_from = min(w.kv_len - w.q_len + w.row0 / p.num_heads + 1, w.kv_end);
+  for (int rr = 0; rr < 4; ++rr) hi[rr] = row_key_end(p, w, row_of(rr));
+  const int mask_from = row_key_end(p, w, 0);  // the first row sees the fewest keys
 
   float ot[4][2][4];
 #pragma unroll

@@ -20,16 +20,16 @@ struct RowBounds {
   int hi[2];
   int mask_from;
 };
+// The end of the keys packed row `row` of the CTA may see (causal: its token's position).
+__device__ __forceinline__ int row_key_end(const MlaParams& p, const Work& w, int row) {
+  return row < w.num_rows ? min(w.kv_len - w.q_len + (w.row0 + row) / p.num_heads + 1, w.kv_end)
+                          : w.kv_end;
+}
 __device__ __forceinline__ RowBounds row_bounds(const MlaParams& p, const Work& w, int row_a) {
   RowBounds b;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row_a + 8 * h;
-    b.hi[h] = row < w.num_rows
-                  ? min(w.kv_len - w.q_len + (w.row0 + row) / p.num_heads + 1, w.kv_end)
-                  : w.kv_end;
-  }
-  b.mask_from = min(w.kv_len - w.q_len + w.row0 / p.num_heads + 1, w.kv_end);
+  for (int h = 0; h < 2; ++h) b.hi[h] = row_key_end(p, w, row_a + 8 * h);
+  b.mask_from = row_key_end(p, w, 0);  // the first row sees the fewest keys
   return b;
 }
 
