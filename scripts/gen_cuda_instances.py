@@ -49,11 +49,13 @@ PREFILL_SM90 = [(a, kv, d) for a in ["f16", "bf16"] for kv in ["same", "fp8"]
 PREFILL_SM90_FP8 = [(a, d) for a in ["f16", "bf16"] for d in [64, 96, 128]]
 # MLA decode (sm_90a wgmma): 16-bit activations over a latent cache of the same type or fp8
 # e4m3, one latent head of 576, the consumer warpgroups' division of a tile ("": redundant S,
-# "split_s", "seesaw": 16-bit caches only, it needs two stages; "swap_ab": 16-row CTAs with the
-# products transposed); its own split combine (576 columns) per activation.
+# "split_s", "seesaw": 16-bit caches only, it needs two stages; "swap_ab" / "swap_ab_32": 16- /
+# 32-row CTAs with the products transposed); its own split combine (576 columns) per activation.
 MLA = [(a, kv, v) for a in ["f16", "bf16"] for kv in ["same", "fp8"]
-       for v in ["", "split_s", "seesaw", "swap_ab"] if not (kv == "fp8" and v == "seesaw")]
-MLA_CONSUMER = {"": "kRedundant", "split_s": "kSplitS", "seesaw": "kSeesaw", "swap_ab": "kSwapAB"}
+       for v in ["", "split_s", "seesaw", "swap_ab", "swap_ab_32"]
+       if not (kv == "fp8" and v == "seesaw")]
+MLA_CONSUMER = {"": "kRedundant", "split_s": "kSplitS", "seesaw": "kSeesaw", "swap_ab": "kSwapAB",
+                "swap_ab_32": "kSwapAB32"}
 MLA_COMBINE = ["f16", "bf16"]
 
 KV_KIND = {"same": "kSame", "fp8": "kFp8", "any": "kAny"}

@@ -172,6 +172,26 @@ std::vector<Shape> shapes(const Options& o) {
       }
     }
   }
+  // 32 packed rows: 16 heads x 2 tokens (one MTP draft token) over bf16 and fp8 caches, and
+  // 32 heads x 1 token (TP 4).
+  for (int b : o.quick ? std::vector<int>{64} : std::vector<int>{64, 128}) {
+    for (int ctx : o.quick ? std::vector<int>{8192} : std::vector<int>{4096, 8192}) {
+      Shape s;
+      s.batch = b;
+      s.context = ctx;
+      s.group = "h16q2";
+      s.q_len = 2;
+      v.push_back(s);
+      s.group = "h16q2-fp8";
+      s.kv = KVCacheDType::kFp8E4M3;
+      v.push_back(s);
+      s.group = "h32q1";
+      s.kv = KVCacheDType::kAuto;
+      s.q_len = 1;
+      s.num_heads = 32;
+      v.push_back(s);
+    }
+  }
   // Compute-heavier: 128 heads x 1 token (TP 1) and 16 heads x 4 tokens (speculative decode).
   for (int b : o.quick ? std::vector<int>{64} : std::vector<int>{64, 128}) {
     for (int ctx : o.quick ? std::vector<int>{4096} : std::vector<int>{4096, 8192}) {

@@ -213,8 +213,9 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
   // The same shapes bound as MLAAttention binds them (one cache as K and V, the output the 512
   // latent columns): the layout the CUDA MLA kernel serves. Block sizes 64 / 16 / 1, 16 and 128
   // heads, 1-4 query tokens with the causal offset, a 9-token prefill, zero-length and padded
-  // requests, long contexts (split). Two sets again with all 576 columns (the generic contract:
-  // on cuda the kernel that computes P k_pe), one with an odd width (a 1-column tail).
+  // requests, long contexts (split), steps of one or two tokens a request (swap AB's 16- and
+  // 32-row CTAs), 32 heads. Two sets again with all 576 columns (the generic contract: on cuda
+  // the kernel that computes P k_pe), one with an odd width (a 1-column tail).
   for (KVCacheDType kv : {KVCacheDType::kAuto, KVCacheDType::kFp8E4M3}) {
     for (DType act : {DType::kBF16, DType::kF16}) {
       AttentionConfig c = base;
@@ -228,6 +229,11 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
       m.add_latent("mla", c, {{300, 1}, {70, 4}, {0, 9}, {0, 0}, {129, 2}, {1, 3}}, 3);
       m.add_latent("mla", c, {{300, 1}, {70, 4}, {0, 9}, {0, 0}, {129, 2}, {1, 3}}, 3, 576);
       m.add_latent("mla", c, {{2000, 1}, {1500, 4}});
+      // Steps auto gives swap AB: one token a request (16-row CTAs), at most two (32-row CTAs),
+      // short and split.
+      m.add_latent("mla", c, {{300, 1}, {0, 0}, {129, 1}, {1, 1}}, 3);
+      m.add_latent("mla", c, {{300, 2}, {70, 1}, {0, 0}, {129, 2}, {0, 2}}, 2);
+      m.add_latent("mla", c, {{2500, 2}, {1800, 1}});
       c.block_size = 16;
       m.add_latent("mla", c, {{100, 1}, {33, 2}, {0, 0}, {64, 3}}, 1);
       c.block_size = 1;
@@ -238,6 +244,10 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
       m.add_latent("mla", c, {{200, 1}, {65, 2}}, 0, 576);
       m.add_latent("mla", c, {{130, 1}, {64, 2}}, 0, 301);
       m.add_latent("mla", c, {{3000, 1}});
+      // 32 heads x 1 token (DeepSeek-V3 at TP 4): auto's 32-row swap AB, short and split.
+      c.num_heads = 32;
+      m.add_latent("mla", c, {{200, 1}, {65, 1}, {0, 1}, {0, 0}}, 1);
+      m.add_latent("mla", c, {{3000, 1}, {700, 1}});
     }
   }
   // Batch shapes.

@@ -269,11 +269,10 @@ TEST(CudaBackendHost, MlaRouteFromTheEnvironmentAndTheHeadCount) {
   unsetenv(name);
   using cuda::mla::Consumer;
   EXPECT_EQ(cuda::backend_options_from_env().mla_consumer, Consumer::kAuto);
-  const std::pair<const char*, Consumer> spellings[] = {{"auto", Consumer::kAuto},
-                                                        {"redundant", Consumer::kRedundant},
-                                                        {"split-s", Consumer::kSplitS},
-                                                        {"seesaw", Consumer::kSeesaw},
-                                                        {"swap-ab", Consumer::kSwapAB}};
+  const std::pair<const char*, Consumer> spellings[] = {
+      {"auto", Consumer::kAuto},      {"redundant", Consumer::kRedundant},
+      {"split-s", Consumer::kSplitS}, {"seesaw", Consumer::kSeesaw},
+      {"swap-ab", Consumer::kSwapAB}, {"swap-ab-32", Consumer::kSwapAB32}};
   for (const auto& [text, want] : spellings) {
     setenv(name, text, 1);
     EXPECT_EQ(cuda::backend_options_from_env().mla_consumer, want) << text;
@@ -306,11 +305,15 @@ TEST(CudaBackendHost, MlaRouteFromTheEnvironmentAndTheHeadCount) {
     ASSERT_NE(k, nullptr);
     EXPECT_EQ(k->consumer, Consumer::kRedundant);
     EXPECT_EQ(k->block_m, 64);
-    // Swap AB: 16-row CTAs over either cache kind, the 512 latent columns.
+    // Swap AB: 16- and 32-row CTAs over either cache kind, the 512 latent columns.
     for (DType cache : {act, DType::kFp8E4M3}) {
       k = cuda::mla::find_mla(act, cache, 16, Consumer::kSwapAB);
       ASSERT_NE(k, nullptr);
       EXPECT_EQ(k->block_m, 16);
+      EXPECT_EQ(k->max_out_cols, cuda::mla::kLatent);
+      k = cuda::mla::find_mla(act, cache, 16, Consumer::kSwapAB32);
+      ASSERT_NE(k, nullptr);
+      EXPECT_EQ(k->block_m, 32);
       EXPECT_EQ(k->max_out_cols, cuda::mla::kLatent);
     }
   }
@@ -318,32 +321,47 @@ TEST(CudaBackendHost, MlaRouteFromTheEnvironmentAndTheHeadCount) {
   EXPECT_EQ(cuda::mla::find_mla(DType::kBF16, DType::kF16, 16), nullptr);
 }
 
-// Per step: swap AB (auto's narrow kernel) only where every request's rows fit its 16-row CTA
-// and the output is the latent width; the configured kernel where the output fits it; auto's
-// wide kernel for the rest; nothing where none fits (the forward's NotSupported).
+// Per step: swap AB (auto's narrow kernels) only where every request's rows fit its 16- or 32-row
+// CTA (the narrowest that does) and the output is the latent width; the configured kernel where
+// the output fits it; auto's wide kernel for the rest; nothing where none fits (the forward's
+// NotSupported).
 TEST(CudaBackendHost, MlaKernelPerStep) {
   using cuda::mla::Consumer;
   using cuda::mla::mla_for_step;
+  using cuda::mla::NarrowMla;
   const cuda::mla::MlaKernel* split = cuda::mla::find_mla(DType::kBF16, DType::kBF16, 16);
   const cuda::mla::MlaKernel* swap =
       cuda::mla::find_mla(DType::kBF16, DType::kBF16, 16, Consumer::kSwapAB);
+  const cuda::mla::MlaKernel* swap32 =
+      cuda::mla::find_mla(DType::kBF16, DType::kBF16, 16, Consumer::kSwapAB32);
   const cuda::mla::MlaKernel* seesaw = cuda::mla::find_mla(DType::kBF16, DType::kBF16, 128);
   ASSERT_NE(split, nullptr);
   ASSERT_NE(swap, nullptr);
+  ASSERT_NE(swap32, nullptr);
   ASSERT_NE(seesaw, nullptr);
-  // 16 heads: one token a request fits swap AB; two do not; 576 columns do not.
-  EXPECT_EQ(mla_for_step(split, nullptr, swap, 1, 16, 512), swap);
-  EXPECT_EQ(mla_for_step(split, nullptr, swap, 1, 16, 301), swap);
-  EXPECT_EQ(mla_for_step(split, nullptr, swap, 2, 16, 512), split);
-  EXPECT_EQ(mla_for_step(split, nullptr, swap, 1, 16, 576), split);
-  EXPECT_EQ(mla_for_step(split, nullptr, swap, 4, 4, 512), swap);  // 16 rows
+  const NarrowMla both = {swap, swap32};
+  // 16 heads: one token a request fits swap AB, two its 32-row CTAs; three do not; 576
+  // columns do not.
+  EXPECT_EQ(mla_for_step(split, nullptr, both, 1, 16, 512), swap);
+  EXPECT_EQ(mla_for_step(split, nullptr, both, 1, 16, 301), swap);
+  EXPECT_EQ(mla_for_step(split, nullptr, both, 2, 16, 512), swap32);
+  EXPECT_EQ(mla_for_step(split, nullptr, both, 3, 16, 512), split);
+  EXPECT_EQ(mla_for_step(split, nullptr, both, 1, 16, 576), split);
+  EXPECT_EQ(mla_for_step(split, nullptr, both, 2, 16, 576), split);
+  EXPECT_EQ(mla_for_step(split, nullptr, both, 4, 4, 512), swap);     // 16 rows
+  EXPECT_EQ(mla_for_step(split, nullptr, both, 1, 32, 512), swap32);  // 32 rows
+  EXPECT_EQ(mla_for_step(split, nullptr, both, 1, 33, 512), split);
+  // Only one of them compiled (or asked for): the other is skipped.
+  EXPECT_EQ(mla_for_step(split, nullptr, NarrowMla{nullptr, swap32}, 1, 16, 512), swap32);
+  EXPECT_EQ(mla_for_step(split, nullptr, NarrowMla{swap, nullptr}, 2, 16, 512), split);
   // A forced kernel (no narrow, no wide): itself where the output fits, else nothing.
-  EXPECT_EQ(mla_for_step(swap, nullptr, nullptr, 1, 16, 512), swap);
-  EXPECT_EQ(mla_for_step(swap, nullptr, nullptr, 2, 16, 512), swap);
-  EXPECT_EQ(mla_for_step(swap, nullptr, nullptr, 1, 16, 576), nullptr);
+  EXPECT_EQ(mla_for_step(swap, nullptr, {}, 1, 16, 512), swap);
+  EXPECT_EQ(mla_for_step(swap, nullptr, {}, 2, 16, 512), swap);
+  EXPECT_EQ(mla_for_step(swap, nullptr, {}, 1, 16, 576), nullptr);
+  EXPECT_EQ(mla_for_step(swap32, nullptr, {}, 4, 16, 512), swap32);
   // 128 heads under auto: the seesaw, split-S for 576 columns.
-  EXPECT_EQ(mla_for_step(seesaw, split, swap, 1, 128, 512), seesaw);
-  EXPECT_EQ(mla_for_step(seesaw, split, swap, 1, 128, 576), split);
+  EXPECT_EQ(mla_for_step(seesaw, split, both, 1, 128, 512), seesaw);
+  EXPECT_EQ(mla_for_step(seesaw, split, both, 1, 128, 576), split);
 }
 
 TEST(CudaBackendHost, PrefillWalkVisitsEveryWorkTileOnceGroupByGroup) {

@@ -92,13 +92,16 @@ BackendOptions backend_options_from_env() {
   }
   if (const char* s = std::getenv(kMlaEnvVar); s && *s) {
     const std::string v(s);
-    require(v == "auto" || v == "redundant" || v == "split-s" || v == "seesaw" || v == "swap-ab",
-            kMlaEnvVar, " ('", v, "') must be auto, redundant, split-s, seesaw or swap-ab");
-    o.mla_consumer = v == "redundant" ? mla::Consumer::kRedundant
-                     : v == "split-s" ? mla::Consumer::kSplitS
-                     : v == "seesaw"  ? mla::Consumer::kSeesaw
-                     : v == "swap-ab" ? mla::Consumer::kSwapAB
-                                      : mla::Consumer::kAuto;
+    require(v == "auto" || v == "redundant" || v == "split-s" || v == "seesaw" || v == "swap-ab" ||
+                v == "swap-ab-32",
+            kMlaEnvVar, " ('", v,
+            "') must be auto, redundant, split-s, seesaw, swap-ab or swap-ab-32");
+    o.mla_consumer = v == "redundant"    ? mla::Consumer::kRedundant
+                     : v == "split-s"    ? mla::Consumer::kSplitS
+                     : v == "seesaw"     ? mla::Consumer::kSeesaw
+                     : v == "swap-ab"    ? mla::Consumer::kSwapAB
+                     : v == "swap-ab-32" ? mla::Consumer::kSwapAB32
+                                         : mla::Consumer::kAuto;
   }
   if (const char* s = std::getenv(kMlaCopyEnvVar); s && *s) {
     const std::string v(s);
@@ -230,10 +233,11 @@ class CudaBackend final : public Backend {
             : nullptr;
     if (mla_kernel != nullptr && options_.mla_consumer == mla::Consumer::kAuto) {
       // The forward's choice (impl.cpp), asked with the latent width (see mla_for_step).
-      mla_kernel = mla::mla_for_step(
-          mla_kernel, nullptr,
+      const mla::NarrowMla narrow = {
           mla::find_mla(config.dtype, cache, config.num_heads, mla::Consumer::kSwapAB),
-          md.max_query_len, config.num_heads, mla::kLatent);
+          mla::find_mla(config.dtype, cache, config.num_heads, mla::Consumer::kSwapAB32)};
+      mla_kernel = mla::mla_for_step(mla_kernel, nullptr, narrow, md.max_query_len,
+                                     config.num_heads, mla::kLatent);
     }
     if (mla_kernel != nullptr && device < visible_device_count()) {
       // Every request's rows on CTAs of the kernel's block_m (route_rows 0: the "prefill" row

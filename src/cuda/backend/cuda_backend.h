@@ -26,12 +26,12 @@ inline constexpr const char* kPrefillKernelEnvVar = "PAGEDATTN_CUDA_PREFILL_KERN
 /// lane); tests and comparisons run all.
 inline constexpr const char* kDecodeCopyEnvVar = "PAGEDATTN_CUDA_DECODE_COPY";
 /// Environment variable that picks the MLA kernel variant (head size 576): auto (default:
-/// mla::default_consumer(), per cache kind and head count, and swap-ab for steps whose requests
-/// have at most 16 packed rows), split-s (S split between the consumer warpgroups, P shared
-/// through smem; 1.2-1.4x faster on the H200 than redundant), redundant (both warpgroups compute
-/// the whole S; kept as a comparison), seesaw (each warpgroup owns alternate tiles and half of O;
-/// 16-bit caches only) or swap-ab (16-row CTAs with the products transposed; the 512 latent
-/// columns only).
+/// mla::default_consumer(), per cache kind and head count, and swap-ab / swap-ab-32 for steps
+/// whose requests have at most 16 / 32 packed rows), split-s (S split between the consumer
+/// warpgroups, P shared through smem; 1.2-1.4x faster on the H200 than redundant), redundant
+/// (both warpgroups compute the whole S; kept as a comparison), seesaw (each warpgroup owns
+/// alternate tiles and half of O; 16-bit caches only), swap-ab (16-row CTAs with the products
+/// transposed; the 512 latent columns only) or swap-ab-32 (the same with 32-row CTAs).
 inline constexpr const char* kMlaEnvVar = "PAGEDATTN_CUDA_MLA";
 /// Environment variable for how the MLA kernel brings the full tiles of a 16-bit latent cache:
 /// auto (TMA when the block size is a multiple of 64: one box per panel; measured on the H200

@@ -105,10 +105,13 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
           mla::find_mla(config.dtype, cache_dtype_, config.num_heads, mla::Consumer::kSplitS);
     }
     // Steps whose requests have at most 16 packed rows (16 heads x 1 token) take swap AB under
-    // auto: no padded rows ([H100] fp8 cache +23-26%, 16-bit +1.5-3%, where it is memory-bound).
+    // auto: no padded rows ([H100] fp8 cache +23-26%, 16-bit +1.5-3%, where it is memory-bound);
+    // at most 32 (16 heads x 2, 32 heads x 1) its 32-row CTAs.
     if (options.mla_consumer == mla::Consumer::kAuto) {
-      mla_narrow_ =
-          mla::find_mla(config.dtype, cache_dtype_, config.num_heads, mla::Consumer::kSwapAB);
+      for (int i = 0; i < 2; ++i) {
+        mla_narrow_[i] = mla::find_mla(config.dtype, cache_dtype_, config.num_heads,
+                                       i == 0 ? mla::Consumer::kSwapAB : mla::Consumer::kSwapAB32);
+      }
     }
     mla_combine_ = mla::find_mla_combine(config.dtype);
     write_ = cache_ops::find_write_kv(config.dtype, cache_dtype_);
@@ -117,7 +120,9 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
     ScopedDevice guard(device.index);
     mla_->ctas_per_sm(device.index);  // the shared-memory limit, outside any graph capture
     if (mla_wide_ != nullptr) mla_wide_->ctas_per_sm(device.index);
-    if (mla_narrow_ != nullptr) mla_narrow_->ctas_per_sm(device.index);
+    for (const mla::MlaKernel* k : mla_narrow_) {
+      if (k != nullptr) k->ctas_per_sm(device.index);
+    }
     return;
   }
   decode_ = decode::find_decode(config.dtype, cache_dtype_, config.head_size);

@@ -59,9 +59,9 @@ class CudaImpl final : public AttentionImpl {
   const decode::CombineKernel* combine_ = nullptr;
   const prefill::PrefillKernel* prefill_ = nullptr;  // nullptr: the decode kernel takes all
   const cache_ops::WriteKVKernel* write_ = nullptr;
-  const mla::MlaKernel* mla_ = nullptr;         // set: every forward runs the MLA kernel
-  const mla::MlaKernel* mla_wide_ = nullptr;    // auto's kernel for outputs wider than mla_'s
-  const mla::MlaKernel* mla_narrow_ = nullptr;  // auto's kernel for steps of <= 16 rows a request
+  const mla::MlaKernel* mla_ = nullptr;       // set: every forward runs the MLA kernel
+  const mla::MlaKernel* mla_wide_ = nullptr;  // auto's kernel for outputs wider than mla_'s
+  mla::NarrowMla mla_narrow_{};  // auto's kernels for steps of <= 16 / 32 rows a request
   const mla::MlaCombineKernel* mla_combine_ = nullptr;
   Tensor alibi_slopes_;  // float32 [num_heads] on the device, or undefined
   Tensor sinks_;         // float32 [num_heads] on the device, or undefined

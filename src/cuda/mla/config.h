@@ -20,8 +20,13 @@ enum class KVKind : uint8_t { kSame, kFp8 };
 ///   kSwapAB: CTAs of 16 packed rows, S^T = K Q^T and O^T = V^T P^T (keys and latent columns
 ///     on wgmma's M side, the rows on N = 16: no padded rows), S^T's k steps split between the
 ///     warpgroups, O^T's columns too;
+///   kSwapAB32: the same with CTAs of 32 rows (16 heads x 2 tokens, 32 heads x 1), S^T's rows
+///     split between the warpgroups (16 each, no partial sums to exchange), O^T's columns too;
 ///   kAuto: what find_mla() picks for the cache kind and head count (never a Traits parameter).
-enum class Consumer : uint8_t { kAuto, kRedundant, kSplitS, kSeesaw, kSwapAB };
+enum class Consumer : uint8_t { kAuto, kRedundant, kSplitS, kSeesaw, kSwapAB, kSwapAB32 };
+constexpr bool is_swap_ab(Consumer c) {
+  return c == Consumer::kSwapAB || c == Consumer::kSwapAB32;
+}
 
 /// The one latent head: kv_lora_rank 512 (kv_c, also the value) + qk_rope_head_dim 64 (k_pe).
 inline constexpr int kEntry = 576;
@@ -32,10 +37,10 @@ inline constexpr int kLatent = 512;
 /// Packed rows (q_len * N) per CTA: one wgmma M tile. 16 heads x 1 token fill a quarter of it
 /// (the zero rows cost tensor-core time and shared-memory reads: at 16 heads the consumers'
 /// chain, not the copies, binds an fp8 cache, and an H200's bandwidth would make it bind a
-/// 16-bit one). kSwapAB puts the rows on wgmma's N side instead: 16 per CTA.
+/// 16-bit one). kSwapAB / kSwapAB32 put the rows on wgmma's N side instead: 16 / 32 per CTA.
 inline constexpr int kBlockM = 64;
 constexpr int block_m_for(Consumer c) {
-  return c == Consumer::kSwapAB ? 16 : kBlockM;
+  return c == Consumer::kSwapAB ? 16 : c == Consumer::kSwapAB32 ? 32 : kBlockM;
 }
 /// Keys per stage: 64 rows of 1152 bytes (72 KB at 16 bits), S = 64 x 64 per warpgroup.
 inline constexpr int kBlockN = 64;
@@ -56,9 +61,10 @@ struct Layout {
   int raw_bytes = 0;
   int table_offset = 0;  ///< [2][64] int64 byte offsets of a tile's rows (producer)
   int p_offset = 0;      ///< split-S, seesaw: P [64 rows][64 keys] 16-bit, one swizzled panel
-                         ///< (swap AB: P^T [16 rows][64 keys])
+                         ///< (swap AB: P^T [16 rows][64 keys]; swap AB 32: [2][32 rows][64 keys])
   int xchg_offset = 0;   ///< split-S, seesaw: [2 warpgroups][64 rows] float row maxima / sums;
-                         ///< swap AB: [2][128 threads][8] partial S^T, then [2][4 warps][16]
+                         ///< swap AB: [2][128 threads][8] partial S^T, then [2][4 warps][16];
+                         ///< swap AB 32: [2][4 warps][16], then [2][2][16] rescales, [2][16] sums
   int bar_offset = 0;    ///< mbarriers: q_full, full[ring][halves], empty[ring][halves]
   int total = 0;         ///< including 1024 bytes to align the dynamic base
 };
@@ -67,12 +73,13 @@ struct Layout {
 /// two raw fp8 tiles (72 + 72 + 2 x 36 KB): the raw copies of the next tiles stay in flight while
 /// the consumers widen the current one into the stage. Swap AB's Q is 18 KB, so over fp8 it has
 /// two 16-bit stages and one raw slot (18 + 2 x 72 + 36 KB): the consumers widen tile j + 1 into
-/// the other stage while tile j's P V runs.
+/// the other stage while tile j's P V runs. Swap AB 32's Q is 36 KB: the same ring fits with
+/// its two P^T buffers and no partial-sum exchange (227 KB).
 constexpr int stages_for(KVKind kv, Consumer c) {
-  return kv == KVKind::kSame || c == Consumer::kSwapAB ? 2 : 1;
+  return kv == KVKind::kSame || is_swap_ab(c) ? 2 : 1;
 }
 constexpr int raw_slots_for(KVKind kv, Consumer c) {
-  return kv == KVKind::kSame ? 0 : c == Consumer::kSwapAB ? 1 : 2;
+  return kv == KVKind::kSame ? 0 : is_swap_ab(c) ? 1 : 2;
 }
 /// The ring the producer fills and the `full` / `empty` barriers count: the 16-bit stages, or
 /// for fp8 the raw slots (the consumers widen a slot into a stage themselves: with the
@@ -94,7 +101,7 @@ inline constexpr int kHalfPanel = 4;
 
 constexpr Layout layout_for(KVKind kv, Consumer c) {
   const bool shares_p = c != Consumer::kRedundant;
-  const bool swap = c == Consumer::kSwapAB;
+  const bool swap = c == Consumer::kSwapAB, swap32 = c == Consumer::kSwapAB32;
   Layout s;
   s.q_panel = block_m_for(c) * 128;
   s.q_offset = 0;
@@ -104,9 +111,10 @@ constexpr Layout layout_for(KVKind kv, Consumer c) {
   s.raw_bytes = kv == KVKind::kFp8 ? kBlockN * kEntry : 0;
   // P stays 1024-aligned: 2 raw tiles or 2 stages leave the running offset a multiple of 8 KB.
   s.p_offset = s.raw_offset + raw_slots_for(kv, c) * s.raw_bytes;
-  s.table_offset = s.p_offset + (shares_p ? block_m_for(c) * 128 : 0);
+  s.table_offset = s.p_offset + (shares_p ? (swap32 ? 2 : 1) * block_m_for(c) * 128 : 0);
   s.xchg_offset = s.table_offset + 2 * kBlockN * 8;
   s.bar_offset = s.xchg_offset + (swap       ? 2 * 128 * 8 * 4 + 2 * 4 * 16 * 4
+                                  : swap32   ? (2 * 4 * 16 + 2 * 2 * 16 + 2 * 16) * 4
                                   : shares_p ? 2 * kBlockM * 4
                                              : 0);
   s.total = s.bar_offset + (1 + 2 * ring_for(kv, c) * halves_for(c)) * 8 + 1024;
@@ -137,8 +145,7 @@ struct Traits {
   static constexpr int kCacheBytes = kKV == KVKind::kSame ? 2 : 1;
   /// Output columns computed: the seesaw leaves out P k_pe (1/9 of its P V work, and
   /// warpgroup 1's half of O no longer larger than warpgroup 0's), the others compute all 576.
-  static constexpr int kOutCols =
-      kC == Consumer::kSeesaw || kC == Consumer::kSwapAB ? kLatent : kEntry;
+  static constexpr int kOutCols = kC == Consumer::kSeesaw || is_swap_ab(kC) ? kLatent : kEntry;
   /// Warpgroup 0 produces; warpgroups 1 and 2 each compute the same S and softmax and
   /// accumulate their own 256 of the 512 kv_c columns, plus (both, redundantly) the 64 k_pe
   /// columns: 160 fp32 accumulators per thread.

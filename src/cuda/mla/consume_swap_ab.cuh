@@ -1,9 +1,9 @@
-// The MLA decode kernel's swap-AB consumer (Consumer::kSwapAB): CTAs of 16 packed rows, the
-// products transposed so that the rows are wgmma's N side. See kernel.cuh's map.
+// The MLA decode kernel's swap-AB consumers (Consumer::kSwapAB, kSwapAB32): CTAs of 16 or 32
+// packed rows, the products transposed so that the rows are wgmma's N side. See kernel.cuh's map.
 //
 // Why: with 16 heads x 1 token a 64-row M tile is three quarters zero rows, and split-S's
 // products read Q's 64 rows (2 KB per k step) and P's from shared memory for every tile: ~328 KB
-// of shared-memory reads per 64-key tile and four times the tensor work. Here
+// of shared-memory reads per 64-key tile and four times the tensor work. Here, with 16 rows,
 //   S^T [64 keys][16 rows] = K [64 keys][576] . Q^T  (m64n16k16 SS, K-major both: the stage
 //       and Q's 16-row panels as they are), its 36 k steps split between the warpgroups (18 each)
 //       and the partial sums exchanged through shared memory;
@@ -13,6 +13,11 @@
 // S^T (8 scores per thread); each writes half of P^T's rows. Q's 18 KB leave room for two 16-bit
 // stages over an fp8 cache too: the consumers widen tile j + 1 into the other stage while tile
 // j's P V runs ([H100] +9-11% over one stage, 2026-12-06-h100-mla-swap-ab-fp8-stages.txt).
+// With 32 rows (16 heads x 2 tokens, 32 heads x 1; split-S pads them to 64) warpgroup c computes
+// S^T for rows 16 c .. 16 c + 15 over all 36 k steps (the same m64n16k16) and runs its own
+// softmax: no partial sums to exchange (their 16 KB would not fit beside fp8's ring), only each
+// row's rescale goes to the other warpgroup, whose O^T (m64n32k16) holds all 32 rows. P^T has
+// two buffers, so a warpgroup writes tile j's while the other may still read tile j - 1's.
 #pragma once
 
 #include <cstdint>
@@ -32,41 +37,52 @@ template <class T>
 __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& w,
                                                 unsigned char* smem,
                                                 Barriers<T::kRing, T::kHalves> bars, int n_tiles) {
-  static_assert(T::kBlockM == 16 && T::kOutCols == kLatent);
+  constexpr int kRows = T::kBlockM;         // the CTA's packed rows: wgmma's N in O^T
+  constexpr bool kSplitRows = kRows == 32;  // S^T by rows (else by k steps)
+  static_assert((kRows == 16 || kRows == 32) && T::kOutCols == kLatent);
   constexpr int kStages = T::kStages;
   constexpr bool kFp8 = T::kv == KVKind::kFp8;
   constexpr bool kBF16 = T::act == DType::kBF16;
   constexpr Layout lay = T::layout();
-  constexpr int kBarBoth = 2;  // named barrier of the 256 consumer threads (1: producer)
+  constexpr int kBarBoth = 2;    // named barrier of the 256 consumer threads (1: producer)
+  constexpr int kI = kRows / 8;  // accumulator row groups of O^T (m64n16: 2, m64n32: 4)
   sm90::setmaxnreg_inc<T::kConsumerRegs>();
-  const int cw = int(threadIdx.x) / 128 - 1;  // k steps 18 cw ..; columns 256 cw ..
+  const int cw = int(threadIdx.x) / 128 - 1;  // S^T's k steps or rows; O^T's columns 256 cw ..
   const int ct = int(threadIdx.x) % 128;
   const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
   const int bar_own = 3 + cw;  // named barrier of this warpgroup
+  // The first of the CTA's rows this warpgroup's S^T and softmax hold (16 rows from there).
+  const int row_s0 = kSplitRows ? 16 * cw : 0;
 
   // This thread's scores st[i][c] (m64n16 accumulator): key 16 warp + g + 8 (c >> 1), row
-  // 8 i + 2 t4 + (c & 1); its four rows are indexed rr = 2 i + (c & 1). O^T's ot[n][i][c]:
-  // column 256 cw + 64 n + 16 warp + g + 8 (c >> 1), the same rows.
+  // row_s0 + 8 i + 2 t4 + (c & 1); its four rows are indexed rr = 2 i + (c & 1). O^T's
+  // ot[n][i][c]: column 256 cw + 64 n + 16 warp + g + 8 (c >> 1), row 8 i + 2 t4 + (c & 1)
+  // (i < kI; with 32 rows, i >> 1 is the warpgroup whose softmax holds the row).
   auto row_of = [&](int rr) { return 8 * (rr >> 1) + 2 * t4 + (rr & 1); };
   int hi[4];  // keys row rr may see: [kv_begin, hi[rr]); rows past the request see the split
 #pragma unroll
-  for (int rr = 0; rr < 4; ++rr) hi[rr] = row_key_end(p, w, row_of(rr));
+  for (int rr = 0; rr < 4; ++rr) hi[rr] = row_key_end(p, w, row_s0 + row_of(rr));
   const int mask_from = row_key_end(p, w, 0);  // the first row sees the fewest keys
 
-  float ot[4][2][4];
+  float ot[4][kI][4];
 #pragma unroll
   for (int n = 0; n < 4; ++n) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) ot[n][i][0] = ot[n][i][1] = ot[n][i][2] = ot[n][i][3] = 0.0f;
+    for (int i = 0; i < kI; ++i) ot[n][i][0] = ot[n][i][1] = ot[n][i][2] = ot[n][i][3] = 0.0f;
   }
-  // m: running row maxima (log2 units), the same in both warpgroups; l: this thread's share of
-  // the row sums (its two keys of every tile), added over the CTA at the end.
+  // m: running row maxima (log2 units) of the softmax's rows (with 16 rows the same in both
+  // warpgroups); l: this thread's share of their row sums (its two keys of every tile), added
+  // over the warpgroup (16 rows: the CTA) at the end.
   float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, l[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
-  float4* const xs = reinterpret_cast<float4*>(smem + lay.xchg_offset);  // [2][128][2]
-  float* const red = reinterpret_cast<float*>(smem + lay.xchg_offset + 2 * 128 * 8 * 4);
-  unsigned char* const p_tile = smem + lay.p_offset;  // P^T [16 rows][64 keys]
-  const uint32_t p_base = sm80::smem_addr(p_tile);
+  // 16 rows: xs [2][128][2] float4 partial S^T, then red [2][4 warps][16]. 32 rows: red, then
+  // cx [2 tiles][2][16] rescales, then ls [2][16] row sums.
+  float4* const xs = reinterpret_cast<float4*>(smem + lay.xchg_offset);
+  float* const red =
+      reinterpret_cast<float*>(smem + lay.xchg_offset + (kSplitRows ? 0 : 2 * 128 * 8 * 4));
+  float* const cx = reinterpret_cast<float*>(smem + lay.xchg_offset + 2 * 4 * 16 * 4);
+  float* const ls = cx + 2 * 2 * 16;
+  const uint32_t p_base = sm80::smem_addr(smem + lay.p_offset);  // P^T [kRows rows][64 keys]
   const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset);
   const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
   // Row maxima or sums of this warpgroup's four warps for the thread's rows: each warp's quad
@@ -93,6 +109,12 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
       v[rr] = a;
     }
   };
+  // 32 rows: the value v[rr] of this warpgroup's rows for O^T's row group i (8 i + 2 t4 + c0),
+  // or the other's from `other` (the same thread layout, read through shared memory).
+  auto pick = [&](const float(&v)[4], const float(&other)[4], int i, int c0) {
+    const int rr = 2 * (i & 1) + c0;
+    return (i >> 1) == cw ? v[rr] : other[rr];
+  };
 
   static_assert(kStages == 2, "fp8: tile j + 1 is widened while tile j's P V reads the other");
   mbar_wait(bars.q_full(), 0);
@@ -108,29 +130,32 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
       ptx::fence_proxy_async(ptx::space_shared);
     }
     const uint32_t k_base = stage0 + s * lay.stage_bytes;
+    // 32 rows: P^T of tile j in buffer j & 1 (the other warpgroup may still read tile j - 1's).
+    const uint32_t pj = p_base + (kSplitRows ? (j & 1) * kRows * 128 : 0);
 
-    // This warpgroup's half of S^T's k steps: 16 columns are +32 B inside a 64-column panel.
+    // S^T: 16 columns are +32 B inside a 64-column panel; 16 rows +2048 B inside a Q panel.
     float st[2][4];
     sm90::fence_operands(st);
     sm90::wgmma_fence();
+    constexpr int kSteps = kSplitRows ? kEntry / 16 : kEntry / 32;
 #pragma unroll
-    for (int kq = 0; kq < kEntry / 32; ++kq) {
-      const int ks = cw * (kEntry / 32) + kq;
+    for (int kq = 0; kq < kSteps; ++kq) {
+      const int ks = kSplitRows ? kq : cw * (kEntry / 32) + kq;
       const uint32_t at = (ks >> 2) * lay.kv_panel + (ks & 3) * 32;
       const uint64_t da = sm90::sw128_desc(k_base + at, 16, 1024);
-      const uint64_t db =
-          sm90::sw128_desc(q_base + (ks >> 2) * lay.q_panel + (ks & 3) * 32, 16, 1024);
+      const uint64_t db = sm90::sw128_desc(
+          q_base + (ks >> 2) * lay.q_panel + row_s0 * 128 + (ks & 3) * 32, 16, 1024);
       sm90::Wgmma<16, kBF16>::template ss<0>(st, da, db, kq > 0);
     }
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
     sm90::fence_operands(st);
-    // The other warpgroup's partial sums: thread ct of both holds the same (key, row) pairs.
-    // Both warpgroups are past tile j - 1's P V here, which read P^T.
-    xs[(cw * 128 + ct) * 2] = make_float4(st[0][0], st[0][1], st[0][2], st[0][3]);
-    xs[(cw * 128 + ct) * 2 + 1] = make_float4(st[1][0], st[1][1], st[1][2], st[1][3]);
-    sm90::named_barrier_sync(kBarBoth, 256);
-    {
+    if constexpr (!kSplitRows) {
+      // The other warpgroup's partial sums: thread ct of both holds the same (key, row) pairs.
+      // Both warpgroups are past tile j - 1's P V here, which read P^T.
+      xs[(cw * 128 + ct) * 2] = make_float4(st[0][0], st[0][1], st[0][2], st[0][3]);
+      xs[(cw * 128 + ct) * 2 + 1] = make_float4(st[1][0], st[1][1], st[1][2], st[1][3]);
+      sm90::named_barrier_sync(kBarBoth, 256);
       const float4 a = xs[((1 - cw) * 128 + ct) * 2], b = xs[((1 - cw) * 128 + ct) * 2 + 1];
       // a + b in both warpgroups is b + a in the other: the same bits, the same softmax.
       st[0][0] += a.x, st[0][1] += a.y, st[0][2] += a.z, st[0][3] += a.w;
@@ -172,24 +197,53 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     for (int rr = 0; rr < 4; ++rr) {
       l[rr] = l[rr] * corr[rr] + st[rr >> 1][rr & 1] + st[rr >> 1][2 + (rr & 1)];
     }
+    if constexpr (!kSplitRows) {
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
+      for (int n = 0; n < 4; ++n) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < kI; ++i) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) ot[n][i][c] *= corr[2 * i + (c & 1)];
+          for (int c = 0; c < 4; ++c) ot[n][i][c] *= corr[2 * i + (c & 1)];
+        }
       }
     }
-    // P^T rows 8 cw .. 8 cw + 7 (i = cw): row r's 64 keys are its 128 swizzled bytes.
+    // P^T: 16 rows, warpgroup cw writes rows 8 cw .. 8 cw + 7 (i = cw) of the same softmax; 32
+    // rows, its own 16. Row r's 64 keys are its 128 swizzled bytes.
+    unsigned char* const p_tile = smem + lay.p_offset + (kSplitRows ? (j & 1) * kRows * 128 : 0);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int row = 8 * cw + 2 * t4 + (c & 1), key = 16 * warp + g + 8 * (c >> 1);
-      const float v = cw == 0 ? st[0][c] : st[1][c];
-      *reinterpret_cast<uint16_t*>(p_tile + sm90::sw128_offset(row, key >> 3) + (key & 7) * 2) =
-          uint16_t(pack2<T::act>(v, 0.0f) & 0xffffu);
+    for (int i = 0; i < (kSplitRows ? 2 : 1); ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int ri = kSplitRows ? i : cw;  // 16 rows: i = cw, without indexing st by it
+        const int row = row_s0 + 8 * ri + 2 * t4 + (c & 1), key = 16 * warp + g + 8 * (c >> 1);
+        const float v = kSplitRows ? st[i][c] : cw == 0 ? st[0][c] : st[1][c];
+        *reinterpret_cast<uint16_t*>(p_tile + sm90::sw128_offset(row, key >> 3) + (key & 7) * 2) =
+            uint16_t(pack2<T::act>(v, 0.0f) & 0xffffu);
+      }
+    }
+    if constexpr (kSplitRows) {
+      // The rescales of this warpgroup's rows for the other's O^T (buffer j & 1: the other read
+      // tile j - 2's before the barrier of tile j - 1, which this warpgroup has passed).
+      if (warp == 0 && g == 0) {
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) cx[((j & 1) * 2 + cw) * 16 + row_of(rr)] = corr[rr];
+      }
     }
     ptx::fence_proxy_async(ptx::space_shared);  // generic stores, read next by wgmma
     sm90::named_barrier_sync(kBarBoth, 256);
+    if constexpr (kSplitRows) {
+      float other[4];
+#pragma unroll
+      for (int rr = 0; rr < 4; ++rr) other[rr] = cx[((j & 1) * 2 + 1 - cw) * 16 + row_of(rr)];
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+#pragma unroll
+        for (int i = 0; i < kI; ++i) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) ot[n][i][c] *= pick(corr, other, i, c & 1);
+        }
+      }
+    }
 
     // O^T += V^T P^T for this warpgroup's four column panels: 16 keys are +2048 B in a panel.
     sm90::fence_operands(ot[0]);
@@ -199,18 +253,18 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t dp = sm90::sw128_desc(p_base + kk * 32, 16, 1024);
+      const uint64_t dp = sm90::sw128_desc(pj + kk * 32, 16, 1024);
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
         const uint64_t dv =
             sm90::sw128_desc(k_base + (4 * cw + n) * lay.kv_panel + kk * 2048, lay.kv_panel, 1024);
-        sm90::Wgmma<16, kBF16>::template ss<0, 1>(ot[n], dv, dp, 1);
+        sm90::Wgmma<kRows, kBF16>::template ss<0, 1>(ot[n], dv, dp, 1);
       }
     }
     sm90::wgmma_commit();
     if constexpr (kFp8) {
       // The other stage was last read by tile j - 1's P V, which both warpgroups waited for
-      // before this tile's exchange barrier.
+      // before this tile's barrier of both.
       if (j + 1 < n_tiles) widen_tile<T>(smem, bars, j + 1, cw * 128 + ct, kBarBoth, 256);
     }
     sm90::wgmma_wait<0>();
@@ -221,39 +275,56 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     if constexpr (!kFp8) ptx::mbarrier_arrive(bars.empty(s));
   }
 
-  // Row sums over the CTA (both warpgroups hold the same), then the rows out.
+  // Row sums over the warpgroup (16 rows: both hold the same), then the rows out.
   over_warps(l, false);
+  // 32 rows: the other warpgroup's row sums (its maxima only its own LSE writers need).
+  float l_o[4] = {l[0], l[1], l[2], l[3]};
+  if constexpr (kSplitRows) {
+    if (warp == 0 && g == 0) {
 #pragma unroll
-  for (int rr = 0; rr < 4; ++rr) {
-    const int row = row_of(rr);
-    if (row >= w.num_rows) continue;
-    const int pr = w.row0 + row;
-    const int t = w.q_begin + pr / p.num_heads, head = pr % p.num_heads;
-    const float total = l[rr];
-    const float lse2 = total > 0.0f ? m[rr] + log2f(total) : -INFINITY;
-    const float factor = total > 0.0f ? p.v_scale / total : 0.0f;
-    const int i = rr >> 1, c0 = rr & 1;
-    if (p.num_splits > 1) {
-      const int64_t at = (int64_t(blockIdx.y) * p.num_actual_tokens + t) * p.num_heads + head;
-      float* const dst = p.partial_o + at * kEntry;
+      for (int rr = 0; rr < 4; ++rr) ls[cw * 16 + row_of(rr)] = l[rr];
+    }
+    sm90::named_barrier_sync(kBarBoth, 256);
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr) l_o[rr] = ls[(1 - cw) * 16 + row_of(rr)];
+  }
+#pragma unroll
+  for (int i = 0; i < kI; ++i) {
+#pragma unroll
+    for (int c0 = 0; c0 < 2; ++c0) {
+      const int row = 8 * i + 2 * t4 + c0;
+      if (row >= w.num_rows) continue;
+      const int pr = w.row0 + row;
+      const int t = w.q_begin + pr / p.num_heads, head = pr % p.num_heads;
+      const float total = kSplitRows ? pick(l, l_o, i, c0) : l[2 * i + c0];
+      // The row's maximum where this warpgroup's softmax holds it (all its LSE writer needs).
+      const float lse2 = total > 0.0f ? m[2 * (i & 1) + c0] + log2f(total) : -INFINITY;
+      const float factor = total > 0.0f ? p.v_scale / total : 0.0f;
+      // One thread per row writes its LSE: warp 0's quad lane of the warpgroup whose softmax
+      // holds the row (16 rows: warpgroup 0).
+      const bool lse_writer = warp == 0 && g == 0 && (kSplitRows ? (i >> 1) == cw : cw == 0);
+      if (p.num_splits > 1) {
+        const int64_t at = (int64_t(blockIdx.y) * p.num_actual_tokens + t) * p.num_heads + head;
+        float* const dst = p.partial_o + at * kEntry;
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const int col = 256 * cw + 64 * n + 16 * warp + g;
+          dst[col] = ot[n][i][c0] * factor;
+          dst[col + 8] = ot[n][i][c0 + 2] * factor;
+        }
+        if (lse_writer) p.partial_lse[at] = lse2;
+        continue;
+      }
+      char* const out = static_cast<char*>(p.out) +
+                        (int64_t(t) * p.out_stride_token + int64_t(head) * p.out_stride_head) * 2;
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
         const int col = 256 * cw + 64 * n + 16 * warp + g;
-        dst[col] = ot[n][i][c0] * factor;
-        dst[col + 8] = ot[n][i][c0 + 2] * factor;
+        if (col < p.out_cols) store_from_float<T::act>(out, col, ot[n][i][c0] * factor);
+        if (col + 8 < p.out_cols) store_from_float<T::act>(out, col + 8, ot[n][i][c0 + 2] * factor);
       }
-      if (cw == 0 && warp == 0 && g == 0) p.partial_lse[at] = lse2;
-      continue;
+      if (lse_writer && p.lse != nullptr) store_lse(p, head, t, lse2);
     }
-    char* const out = static_cast<char*>(p.out) +
-                      (int64_t(t) * p.out_stride_token + int64_t(head) * p.out_stride_head) * 2;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int col = 256 * cw + 64 * n + 16 * warp + g;
-      if (col < p.out_cols) store_from_float<T::act>(out, col, ot[n][i][c0] * factor);
-      if (col + 8 < p.out_cols) store_from_float<T::act>(out, col + 8, ot[n][i][c0 + 2] * factor);
-    }
-    if (cw == 0 && warp == 0 && g == 0 && p.lse != nullptr) store_lse(p, head, t, lse2);
   }
 }
 

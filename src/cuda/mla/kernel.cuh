@@ -63,6 +63,11 @@
 //             rows: ~170 KB of shared-memory reads per tile against split-S's ~328 KB, a quarter
 //             of the tensor work (consume_swap_ab.cuh). Over fp8 two 16-bit stages and one raw
 //             slot: tile j + 1 is widened while tile j's P V runs.
+//   swap AB 32 (Consumer::kSwapAB32: auto's kernel for steps of 17-32 packed rows a request,
+//             16 heads x 2 tokens or 32 heads x 1; PAGEDATTN_CUDA_MLA=swap-ab-32) the same with
+//             32-row CTAs, warpgroup c's S^T the rows 16 c .. 16 c + 15 over all 36 k steps and its
+//             own softmax (no partial sums exchanged), each row's rescale passed to the other
+//             warpgroup, whose O^T (m64n32k16) holds all 32 rows; P^T in two buffers.
 //   sync      mbarriers through CCCL's cuda::ptx: full[s] (128 producer arrivals), empty[s]
 //             (256 consumer arrivals) per slot s of the producer's ring (the 16-bit stages, or
 //             fp8's raw slots); phases flip every kRing tiles. Consumers fence the
@@ -70,7 +75,8 @@
 //             (cp.async, st.shared) wrote.
 //   budget    smem 218 KB (config.h): Q 72 KB + two 16-bit stages of 72 KB, or (fp8) one stage
 //             and two raw fp8 tiles of 36 KB; swap AB ~210 KB: Q 18 KB + two stages (+ one raw
-//             slot over fp8) + its exchange buffers. One CTA per SM.
+//             slot over fp8) + its exchange buffers; swap AB 32 over fp8 227 KB: Q 36 KB, the
+//             same ring, two 4 KB P^T buffers. One CTA per SM.
 //   test      backend_ops --device cuda --filter mla (float64 reference, poisoned outputs);
 //             bench/gpu/bench_mla; docs/kernel_notes.md "mla decode".
 #pragma once
@@ -131,7 +137,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_consta
     consume_split_s<T>(p, w, smem, bars, n_tiles);
   } else if constexpr (T::consumer == Consumer::kSeesaw) {
     consume_seesaw<T>(p, w, smem, bars, n_tiles);
-  } else if constexpr (T::consumer == Consumer::kSwapAB) {
+  } else if constexpr (is_swap_ab(T::consumer)) {
     consume_swap_ab<T>(p, w, smem, bars, n_tiles);
   } else {
     consume<T>(p, w, smem, bars, n_tiles);

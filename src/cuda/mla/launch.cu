@@ -43,6 +43,8 @@ const char* consumer_name(Consumer c) {
       return "seesaw";
     case Consumer::kSwapAB:
       return "swap-ab";
+    case Consumer::kSwapAB32:
+      return "swap-ab-32";
     case Consumer::kAuto:
       break;
   }
@@ -53,7 +55,8 @@ const char* consumer_name(Consumer c) {
 // release: 128 heads x 1 token 1.04-1.10x split-S (two M tiles per request, L2 serves the
 // second CTA's reads: latency-bound); 16 heads 0.93-0.96x (DRAM-bound: one M tile).
 // Swap AB is not a default here: it serves steps, not configurations (the backend takes it
-// under auto when a step's requests have at most its 16 rows: impl.cpp, cuda_backend.cpp's plan).
+// under auto when a step's requests have at most its 16 or 32 rows: impl.cpp, cuda_backend.cpp's
+// plan).
 Consumer default_consumer(KVKind kv, int num_heads) {
   return kv == KVKind::kSame && num_heads > kBlockM ? Consumer::kSeesaw : Consumer::kSplitS;
 }
@@ -76,11 +79,12 @@ const MlaKernel* find_mla(DType act, DType cache, int num_heads, Consumer consum
 }
 
 const MlaKernel* mla_for_step(const MlaKernel* configured, const MlaKernel* wide,
-                              const MlaKernel* narrow, int64_t max_query_len, int num_heads,
+                              const NarrowMla& narrow, int64_t max_query_len, int num_heads,
                               int out_cols) {
-  if (narrow != nullptr && out_cols <= narrow->max_out_cols &&
-      max_query_len * num_heads <= narrow->block_m) {
-    return narrow;
+  for (const MlaKernel* k : narrow) {
+    if (k != nullptr && out_cols <= k->max_out_cols && max_query_len * num_heads <= k->block_m) {
+      return k;
+    }
   }
   if (configured != nullptr && out_cols <= configured->max_out_cols) return configured;
   return wide != nullptr && out_cols <= wide->max_out_cols ? wide : nullptr;

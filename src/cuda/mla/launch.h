@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
+#include <cstdint>
 #include <vector>
 
 #include "cuda/mla/config.h"
@@ -44,7 +46,8 @@ struct MlaCombineOps {
 const std::vector<MlaKernel>& mla_kernels();
 const std::vector<MlaCombineKernel>& mla_combine_kernels();
 
-/// The PAGEDATTN_CUDA_MLA spelling of `c` ("auto", "redundant", "split-s", "seesaw").
+/// The PAGEDATTN_CUDA_MLA spelling of `c` ("auto", "redundant", "split-s", "seesaw", "swap-ab",
+/// "swap-ab-32").
 const char* consumer_name(Consumer c);
 /// The consumer division kAuto means for a cache kind and head count (the measured-fastest
 /// compiled one): the seesaw where a request's rows span several M tiles whose CTAs share each
@@ -57,14 +60,18 @@ const MlaKernel* find_mla(DType act, DType cache, int num_heads,
                           Consumer consumer = Consumer::kAuto);
 const MlaCombineKernel* find_mla_combine(DType act);
 
-/// The kernel one step runs: `narrow` (auto's swap AB; null otherwise) when every request's rows
-/// fit its CTA (max_query_len * num_heads <= block_m) and the output its width, else the
-/// configured kernel when the output fits it, else `wide` (auto's split-S for 576 columns; null
-/// otherwise). Null when none fits. The split planner asks with the latent width (it does not
-/// know the output's): where that picks swap AB and the forward's wider output picks split-S,
-/// both put each request's <= 16 rows on one CTA, so the plan holds for either.
+/// Auto's kernels for steps of few rows a request: swap AB's 16-row and 32-row CTAs (nulls where
+/// not compiled or not auto), narrowest first.
+using NarrowMla = std::array<const MlaKernel*, 2>;
+
+/// The kernel one step runs: the first of `narrow` whose CTA holds every request's rows
+/// (max_query_len * num_heads <= block_m) and whose width holds the output, else the configured
+/// kernel when the output fits it, else `wide` (auto's split-S for 576 columns; null otherwise).
+/// Null when none fits. The split planner asks with the latent width (it does not know the
+/// output's): where that picks swap AB and the forward's wider output picks split-S, both put
+/// each request's <= 32 rows on one CTA, so the plan holds for either.
 const MlaKernel* mla_for_step(const MlaKernel* configured, const MlaKernel* wide,
-                              const MlaKernel* narrow, int64_t max_query_len, int num_heads,
+                              const NarrowMla& narrow, int64_t max_query_len, int num_heads,
                               int out_cols);
 
 }  // namespace pagedattn::cuda::mla
