@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A change to the MLA decode kernel, checked and timed in one device call: for every build
 # given, backend_ops --filter mla (the default route, five forced splits, cp.async copies, the
-# forced seesaw, split-S and both swap ABs; the float64 reference with poisoned outputs) and compute-sanitizer memcheck,
-# then bench_mla on the points that matter, the builds interleaved point by point for ROUNDS
+# forced seesaw, split-S and both swap ABs, the splits merged by the combine kernel; the float64
+# reference with poisoned outputs) and compute-sanitizer memcheck, then bench_mla on the points
+# that matter, the builds interleaved point by point for ROUNDS
 # rounds, and a table of each build's best time per point with its ratio to the first build
 # (and that round's fraction of the copy rate and TFLOP/s).
 #
@@ -51,7 +52,8 @@ for spec in "$@"; do
   # 576-column outputs (reported unsupported, not failed).
   for run in "default" "splits5 PAGEDATTN_CUDA_SPLITS=5" "cp.async PAGEDATTN_CUDA_MLA_COPY=cp.async" \
     "seesaw PAGEDATTN_CUDA_MLA=seesaw" "split-s PAGEDATTN_CUDA_MLA=split-s" \
-    "swap-ab PAGEDATTN_CUDA_MLA=swap-ab" "swap-ab-32 PAGEDATTN_CUDA_MLA=swap-ab-32"; do
+    "swap-ab PAGEDATTN_CUDA_MLA=swap-ab" "swap-ab-32 PAGEDATTN_CUDA_MLA=swap-ab-32" \
+    "merge-kernel PAGEDATTN_CUDA_MLA_MERGE=kernel"; do
     vars="${run#"${run%% *}"}"  # the run's variables (none for "default")
     # shellcheck disable=SC2086  # one word each
     env $benv $vars timeout 120 $BO >"$O/bo_${name}_${run%% *}.log" 2>&1

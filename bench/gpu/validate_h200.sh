@@ -28,6 +28,7 @@ PAGEDATTN_CUDA_MLA=seesaw timeout 60 $BO --filter mla > $O/bo_mlass.log 2>&1; t 
 PAGEDATTN_CUDA_MLA=seesaw PAGEDATTN_CUDA_SPLITS=5 timeout 60 $BO --filter mla > $O/bo_mlass5.log 2>&1; t "bo mla seesaw splits5 rc=$?"; grep -E "^backend|FAIL" $O/bo_mlass5.log | head -6
 PAGEDATTN_CUDA_MLA=swap-ab timeout 60 $BO --filter mla > $O/bo_mlasw.log 2>&1; t "bo mla swap-ab (576-column outputs unsupported) rc=$?"; grep -E "^backend|FAIL" $O/bo_mlasw.log | head -6
 PAGEDATTN_CUDA_MLA=swap-ab-32 timeout 60 $BO --filter mla > $O/bo_mlasw32.log 2>&1; t "bo mla swap-ab-32 (576-column outputs unsupported) rc=$?"; grep -E "^backend|FAIL" $O/bo_mlasw32.log | head -6
+PAGEDATTN_CUDA_MLA_MERGE=kernel timeout 60 $BO --filter mla > $O/bo_mlamk.log 2>&1; t "bo mla splits merged by the combine kernel rc=$?"; grep -E "^backend|FAIL" $O/bo_mlamk.log | head -6
 PAGEDATTN_CUDA_MLA=split-s timeout 60 $BO --filter mla > $O/bo_mlasp.log 2>&1; t "bo mla split-s (auto's steps of <= 32 rows go to swap AB) rc=$?"; grep -E "^backend|FAIL" $O/bo_mlasp.log | head -6
 PAGEDATTN_CUDA_PREFILL=all PAGEDATTN_CUDA_PREFILL_KERNEL=portable timeout 100 $BO > $O/bo_port.log 2>&1; t "bo portable prefill rc=$?"; grep -E "^backend|FAIL" $O/bo_port.log | head -6
 left 420 && { timeout 60 $BO > $O/bo_auto.log 2>&1; t "bo auto rc=$?"; grep -E "^backend|FAIL" $O/bo_auto.log | head -8; }

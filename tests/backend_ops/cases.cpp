@@ -234,6 +234,13 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
       m.add_latent("mla", c, {{300, 1}, {0, 0}, {129, 1}, {1, 1}}, 3);
       m.add_latent("mla", c, {{300, 2}, {70, 1}, {0, 0}, {129, 2}, {0, 2}}, 2);
       m.add_latent("mla", c, {{2500, 2}, {1800, 1}});
+      // 20 requests of ~700 keys: the planner takes 2 splits (at most one per 256 keys), which
+      // swap AB merges in a cluster (cluster_merge.cuh; the long cases above take more than 8 on
+      // a large GPU, merged by the combine kernel).
+      m.add_latent("mla", c, std::vector<RequestShape>(20, RequestShape{700, 1}));
+      std::vector<RequestShape> mtp(20, RequestShape{650, 2});
+      mtp[3] = {700, 1};
+      m.add_latent("mla", c, mtp);
       c.block_size = 16;
       m.add_latent("mla", c, {{100, 1}, {33, 2}, {0, 0}, {64, 3}}, 1);
       c.block_size = 1;

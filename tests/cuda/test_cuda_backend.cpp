@@ -141,6 +141,26 @@ TEST(CudaBackendHost, SplitHeuristicWeighsPrefillCtasByTheirOccupancy) {
   EXPECT_EQ(cuda::choose_num_splits(decode), cuda::choose_num_splits(inputs(1, 32768)));
 }
 
+// MLA steps put each request's rows on CTAs of the kernel's block_m (route_rows 0). backend_ops'
+// 20 requests of ~700 keys at 16 heads plan 2 splits on a 132-SM GPU (the cluster merge's
+// case), the 2500-key ones more than kMaxClusterSplits (the combine kernel's).
+TEST(CudaBackendHost, SplitHeuristicForMlaSteps) {
+  auto mla = [](int batch, int kv_len, int q_len, int block_m) {
+    cuda::SplitInputs in = inputs(batch, kv_len, q_len);
+    in.ctas_per_sm = 1;
+    in.num_kv_heads = 1;
+    in.group = 16;
+    in.route_rows = 0;
+    in.prefill_block_m = block_m;
+    return in;
+  };
+  EXPECT_EQ(cuda::choose_num_splits(mla(20, 701, 1, 16)), 2);
+  EXPECT_EQ(cuda::choose_num_splits(mla(20, 652, 2, 32)), 2);
+  EXPECT_GT(cuda::choose_num_splits(mla(2, 2502, 2, 32)), cuda::mla::kMaxClusterSplits);
+  // b64 c4096, 16 heads x 1 (bench_mla's point): 2 splits, 128 CTAs.
+  EXPECT_EQ(cuda::choose_num_splits(mla(64, 4096, 1, 16)), 2);
+}
+
 TEST(CudaBackendHost, PlanSizesTheWorkspaceForItsSplits) {
   const AttentionConfig c = gqa_config();
   StepMetadata step = MetadataBuilder(16).add({8000, 1, std::vector<int32_t>(501, 1)}).build();
@@ -282,6 +302,23 @@ TEST(CudaBackendHost, MlaRouteFromTheEnvironmentAndTheHeadCount) {
     setenv(name, bad, 1);
     EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, name);
   }
+  unsetenv(name);
+  // How the splits merge: a cluster by default, the combine kernel on request.
+  EXPECT_TRUE(cuda::backend_options_from_env().mla_cluster_merge);
+  setenv(cuda::kMlaMergeEnvVar, "kernel", 1);
+  EXPECT_FALSE(cuda::backend_options_from_env().mla_cluster_merge);
+  setenv(cuda::kMlaMergeEnvVar, "auto", 1);
+  EXPECT_TRUE(cuda::backend_options_from_env().mla_cluster_merge);
+  setenv(cuda::kMlaMergeEnvVar, "cluster!", 1);
+  EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, cuda::kMlaMergeEnvVar);
+  unsetenv(cuda::kMlaMergeEnvVar);
+  // The columns each CTA of an s-CTA cluster owns cover the 512 latent columns in multiples of 4.
+  for (int s = 2; s <= cuda::mla::kMaxClusterSplits; ++s) {
+    const int cpc = cuda::mla::merge_cols(s);
+    EXPECT_EQ(cpc % 4, 0) << s;
+    EXPECT_GE(s * cpc, cuda::mla::kLatent) << s;
+    EXPECT_LT((s - 1) * cpc, cuda::mla::kLatent) << s;  // every CTA owns some
+  }
   if (had) {
     setenv(name, saved.c_str(), 1);
   } else {
@@ -305,16 +342,20 @@ TEST(CudaBackendHost, MlaRouteFromTheEnvironmentAndTheHeadCount) {
     ASSERT_NE(k, nullptr);
     EXPECT_EQ(k->consumer, Consumer::kRedundant);
     EXPECT_EQ(k->block_m, 64);
-    // Swap AB: 16- and 32-row CTAs over either cache kind, the 512 latent columns.
+    EXPECT_FALSE(k->cluster_merge);
+    // Swap AB: 16- and 32-row CTAs over either cache kind, the 512 latent columns; their splits
+    // merge in a cluster.
     for (DType cache : {act, DType::kFp8E4M3}) {
       k = cuda::mla::find_mla(act, cache, 16, Consumer::kSwapAB);
       ASSERT_NE(k, nullptr);
       EXPECT_EQ(k->block_m, 16);
       EXPECT_EQ(k->max_out_cols, cuda::mla::kLatent);
+      EXPECT_TRUE(k->cluster_merge);
       k = cuda::mla::find_mla(act, cache, 16, Consumer::kSwapAB32);
       ASSERT_NE(k, nullptr);
       EXPECT_EQ(k->block_m, 32);
       EXPECT_EQ(k->max_out_cols, cuda::mla::kLatent);
+      EXPECT_TRUE(k->cluster_merge);
     }
   }
   EXPECT_EQ(cuda::mla::find_mla(DType::kF32, DType::kF32, 128), nullptr);

@@ -109,6 +109,11 @@ BackendOptions backend_options_from_env() {
             "') must be auto, tma or cp.async");
     o.mla_copy = v == "tma" ? MlaCopy::kTma : v == "cp.async" ? MlaCopy::kCpAsync : MlaCopy::kAuto;
   }
+  if (const char* s = std::getenv(kMlaMergeEnvVar); s && *s) {
+    const std::string v(s);
+    require(v == "auto" || v == "kernel", kMlaMergeEnvVar, " ('", v, "') must be auto or kernel");
+    o.mla_cluster_merge = v == "auto";
+  }
   if (const char* s = std::getenv(kPrefillCopyEnvVar); s && *s) {
     const std::string v(s);
     require(v == "cp.async" || v == "tma", kPrefillCopyEnvVar, " ('", v,

@@ -38,6 +38,11 @@ inline constexpr const char* kMlaEnvVar = "PAGEDATTN_CUDA_MLA";
 /// as fast as cp.async there, and 6% slower at block size 16, where a tile takes 36 boxes from
 /// one thread), tma (also at block sizes that are multiples of 16) or cp.async (row gathers).
 inline constexpr const char* kMlaCopyEnvVar = "PAGEDATTN_CUDA_MLA_COPY";
+/// Environment variable for how an MLA step's KV splits merge: auto (default: inside one
+/// thread-block cluster through distributed shared memory where the kernel does it, swap AB's,
+/// and the splits are at most mla::kMaxClusterSplits; else float partials and the combine
+/// kernel) or kernel (always the partials and the combine: comparisons).
+inline constexpr const char* kMlaMergeEnvVar = "PAGEDATTN_CUDA_MLA_MERGE";
 /// Environment variable for layers with query_quant over an e4m3 cache: on (default: the Hopper
 /// prefill kernel runs QK^T and P V as fp8 wgmma where compiled) or off (the 16-bit kernel
 /// reads the quantised query; comparisons).
@@ -128,7 +133,9 @@ struct BackendOptions {
   DecodeCopy decode_copy = DecodeCopy::kAuto;  ///< how decode brings K/V rows into smem
   mla::Consumer mla_consumer = mla::Consumer::kAuto;  ///< the MLA variant (kMlaEnvVar)
   MlaCopy mla_copy = MlaCopy::kAuto;  ///< the MLA kernel's tile copies (kMlaCopyEnvVar)
-  bool fp8_math = true;               ///< query_quant: fp8 products (kFp8MathEnvVar)
+  bool mla_cluster_merge =
+      true;              ///< MLA splits merge in a cluster where possible (kMlaMergeEnvVar)
+  bool fp8_math = true;  ///< query_quant: fp8 products (kFp8MathEnvVar)
   bool prefill_tma =
       true;  ///< Hopper prefill: full tiles by TMA where possible (kPrefillCopyEnvVar)
   /// Hopper prefill: CTAs with at least this many tiles run the pingpong (kPingpongEnvVar;

@@ -95,6 +95,7 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
         mla::consumer_name(options.mla_consumer), ") is not compiled for ",
         dtype_name(config.dtype), " over ", dtype_name(cache_dtype_),
         options.mla_consumer == mla::Consumer::kSeesaw ? " (the seesaw needs a 16-bit cache)" : "");
+    mla_cluster_merge_ = options.mla_cluster_merge;
     if (device_props(device.index).cc_major >= 9 && options.mla_copy != MlaCopy::kCpAsync) {
       mla_tma_rows_ = options.mla_copy == MlaCopy::kTma ? 16 : 64;
     }
@@ -579,8 +580,14 @@ void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {
         static_cast<char*>(a.workspace.data) +
         split_lse_offset(plan->num_splits, md.num_actual_tokens, cfg.num_heads, cfg.head_size));
   }
+  // Up to kMaxClusterSplits splits of a swap AB step merge inside one cluster (no partials, no
+  // combine; cluster_merge.cuh): [H100] see docs/kernel_notes.md "Split merge in a cluster".
+  p.split_cluster = p.num_splits > 1 && p.num_splits <= mla::kMaxClusterSplits &&
+                            kernel->cluster_merge && mla_cluster_merge_
+                        ? p.num_splits
+                        : 1;
   kernel->launch(p, stream);
-  if (p.num_splits > 1) mla_combine_->launch(p, stream);
+  if (p.num_splits > 1 && p.split_cluster <= 1) mla_combine_->launch(p, stream);
 }
 
 }  // namespace pagedattn::cuda

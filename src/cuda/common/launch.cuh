@@ -17,19 +17,31 @@ namespace pagedattn::cuda {
 /// `pdl` false launches plainly: behind a long kernel, early CTAs would only sit in
 /// griddepcontrol.wait holding SM slots that kernel needs (the decode kernel behind the prefill
 /// kernel).
+/// `cluster` other than 1 x 1 x 1 launches thread-block clusters of that shape (grid a
+/// multiple of it).
 template <class Params>
 inline void launch_with_pdl(void (*kernel)(Params), dim3 grid, dim3 block, int smem,
-                            cudaStream_t stream, const Params& p, bool pdl = true) {
+                            cudaStream_t stream, const Params& p, bool pdl = true,
+                            dim3 cluster = dim3(1, 1, 1)) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = size_t(smem);
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster.x * cluster.y * cluster.z > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster.x;
+    attr[n].val.clusterDim.y = cluster.y;
+    attr[n++].val.clusterDim.z = cluster.z;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = n;
   PAGEDATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
   PAGEDATTN_CUDA_CHECK_LAUNCH();
 }

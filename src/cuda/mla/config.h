@@ -48,6 +48,13 @@ inline constexpr int kBlockN = 64;
 /// kMinSplitTokens, so the planner's s_max rule means the same here).
 inline constexpr int kSplitAlign = kBlockN;
 inline constexpr int kMaxSplits = 64;  ///< the combine reads one LSE per lane, two lanes' worth
+/// Splits that merge inside one cluster at most (the portable cluster size).
+inline constexpr int kMaxClusterSplits = 8;
+/// The latent output columns each CTA of an s-CTA merge cluster owns (cluster_merge.cuh): a
+/// multiple of 4 (float4 reads), s of them covering the 512.
+constexpr int merge_cols(int s) {
+  return ((kLatent + s - 1) / s + 3) / 4 * 4;
+}
 inline constexpr int kMaxSmemPerCta = 227 * 1024;
 
 /// Byte offsets of the dynamic shared memory (after aligning the base to 1024 bytes).

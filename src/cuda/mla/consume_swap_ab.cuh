@@ -26,6 +26,7 @@
 #include "cuda/arch/sm80/ptx.cuh"
 #include "cuda/arch/sm90/wgmma.cuh"
 #include "cuda/common/dtypes.cuh"
+#include "cuda/mla/cluster_merge.cuh"
 #include "cuda/mla/common.cuh"
 #include "cuda/mla/softmax.cuh"
 #include "cuda/mla/store.cuh"
@@ -288,6 +289,9 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
 #pragma unroll
     for (int rr = 0; rr < 4; ++rr) l_o[rr] = ls[(1 - cw) * 16 + row_of(rr)];
   }
+  // split_cluster > 1: the splits merge through the cluster's shared memory (cluster_merge.cuh).
+  const ClusterMerge<kRows> cm(p, smem + lay.stage_offset);
+  if (p.split_cluster > 1) cm.arrive_done();
 #pragma unroll
   for (int i = 0; i < kI; ++i) {
 #pragma unroll
@@ -303,6 +307,16 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
       // One thread per row writes its LSE: warp 0's quad lane of the warpgroup whose softmax
       // holds the row (16 rows: warpgroup 0).
       const bool lse_writer = warp == 0 && g == 0 && (kSplitRows ? (i >> 1) == cw : cw == 0);
+      if (p.split_cluster > 1) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const int col = 256 * cw + 64 * n + 16 * warp + g;
+          cm.send(row, col, ot[n][i][c0] * factor);
+          cm.send(row, col + 8, ot[n][i][c0 + 2] * factor);
+        }
+        if (lse_writer) cm.send_lse(row, lse2);
+        continue;
+      }
       if (p.num_splits > 1) {
         const int64_t at = (int64_t(blockIdx.y) * p.num_actual_tokens + t) * p.num_heads + head;
         float* const dst = p.partial_o + at * kEntry;
@@ -326,6 +340,7 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
       if (lse_writer && p.lse != nullptr) store_lse(p, head, t, lse2);
     }
   }
+  if (p.split_cluster > 1) cm.template merge_store<T::act>(p, w, cw * 128 + ct);
 }
 
 }  // namespace pagedattn::cuda::mla

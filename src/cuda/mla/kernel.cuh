@@ -68,6 +68,11 @@
 //             32-row CTAs, warpgroup c's S^T the rows 16 c .. 16 c + 15 over all 36 k steps and its
 //             own softmax (no partial sums exchanged), each row's rescale passed to the other
 //             warpgroup, whose O^T (m64n32k16) holds all 32 rows; P^T in two buffers.
+//   split merge (MlaParams::split_cluster; swap AB, at most kMaxClusterSplits splits) the
+//             splits of a (request, M tile) are one cluster: after their last tile the consumers
+//             send their normalised rows to the CTA owning each column block through
+//             distributed shared memory (the freed first stage) and merge them there
+//             (cluster_merge.cuh); otherwise float partials and the combine kernel.
 //   sync      mbarriers through CCCL's cuda::ptx: full[s] (128 producer arrivals), empty[s]
 //             (256 consumer arrivals) per slot s of the producer's ring (the 16-bit stages, or
 //             fp8's raw slots); phases flip every kRing tiles. Consumers fence the
@@ -133,6 +138,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_consta
   // One branch per role, as setmaxnreg requires.
   if (threadIdx.x < 128) {
     produce<T>(p, w, smem, bars, n_tiles);
+    // The consumers' two cluster barriers (cluster_merge.cuh).
+    if (is_swap_ab(T::consumer) && p.split_cluster > 1) cluster_merge_barriers();
   } else if constexpr (T::consumer == Consumer::kSplitS) {
     consume_split_s<T>(p, w, smem, bars, n_tiles);
   } else if constexpr (T::consumer == Consumer::kSeesaw) {
@@ -162,7 +169,10 @@ void MlaOps<T>::launch(const MlaParams& p, cudaStream_t stream) {
   int device = 0;
   PAGEDATTN_CUDA_CHECK(cudaGetDevice(&device));
   prepare_mla<T>(device);
-  launch_with_pdl(mla_kernel<T>, grid, dim3(T::kThreads), T::layout().total, stream, p);
+  // A cluster merge puts a (request, M tile)'s splits, the whole of grid y, in one cluster.
+  const dim3 cluster(1, p.split_cluster > 1 ? unsigned(p.num_splits) : 1u, 1);
+  launch_with_pdl(mla_kernel<T>, grid, dim3(T::kThreads), T::layout().total, stream, p, true,
+                  cluster);
 }
 
 template <class T>

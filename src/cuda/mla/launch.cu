@@ -12,6 +12,7 @@ const std::vector<MlaKernel>& mla_kernels() {
    Consumer::c,                                                  \
    Traits<DType::act, KVKind::kv, Consumer::c>::kOutCols,        \
    Traits<DType::act, KVKind::kv, Consumer::c>::kBlockM,         \
+   is_swap_ab(Consumer::c),                                      \
    &MlaOps<Traits<DType::act, KVKind::kv, Consumer::c>>::launch, \
    &MlaOps<Traits<DType::act, KVKind::kv, Consumer::c>>::ctas_per_sm},
 #define PAGEDATTN_MLA_COMBINE_INSTANCE(act)

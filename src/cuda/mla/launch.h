@@ -21,6 +21,8 @@ struct MlaKernel {
   Consumer consumer;  ///< Traits::consumer: how the two consumer warpgroups share a tile
   int max_out_cols;   ///< Traits::kOutCols: the widest output it writes (512 or 576)
   int block_m;        ///< Traits::kBlockM: packed rows per CTA (num_m_tiles = ceil(rows / it))
+  /// Its splits can merge in a cluster (MlaParams::split_cluster; the swap AB consumers).
+  bool cluster_merge;
   void (*launch)(const MlaParams& params, cudaStream_t stream);
   /// CTAs one SM holds (for the split planner); prepares the shared memory limit first.
   int (*ctas_per_sm)(int device);

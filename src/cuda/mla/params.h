@@ -51,7 +51,11 @@ struct MlaParams {
   int kv_tma;
   CUtensorMap kv_map;  // 64-byte aligned by its type
 
-  int num_splits;      ///< grid.y; > 1: partials go to the workspace, the combine merges them
+  int num_splits;  ///< grid.y; > 1: partials go to the workspace, the combine merges them
+  /// > 1 (= num_splits <= kMaxClusterSplits; swap AB only): the splits of a (request, M tile)
+  /// are one cluster and merge through its shared memory (cluster_merge.cuh): no partials, no
+  /// combine.
+  int split_cluster;
   float* partial_o;    ///< [num_splits, T_a, num_heads, 576] float, normalised, v-scaled
   float* partial_lse;  ///< [num_splits, T_a, num_heads] float, log2 units (-inf = no keys)
 };
