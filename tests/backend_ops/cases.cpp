@@ -233,13 +233,13 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
       // short and split.
       m.add_latent("mla", c, {{300, 1}, {0, 0}, {129, 1}, {1, 1}}, 3);
       m.add_latent("mla", c, {{300, 2}, {70, 1}, {0, 0}, {129, 2}, {0, 2}}, 2);
-      m.add_latent("mla", c, {{2500, 2}, {1800, 1}});
-      // 20 requests of ~700 keys: the planner takes 2 splits (at most one per 256 keys), which
-      // swap AB merges in a cluster (cluster_merge.cuh; the long cases above take more than 8 on
-      // a large GPU, merged by the combine kernel).
-      m.add_latent("mla", c, std::vector<RequestShape>(20, RequestShape{700, 1}));
-      std::vector<RequestShape> mtp(20, RequestShape{650, 2});
-      mtp[3] = {700, 1};
+      m.add_latent("mla", c, {{1100, 2}, {900, 1}});
+      // 8 requests of ~600 keys: the planner takes 2 splits (at most one per 256 keys), which
+      // swap AB merges in a cluster (cluster_merge.cuh); PAGEDATTN_CUDA_MLA_MERGE=kernel runs
+      // these through the combine kernel, as more than 8 splits do.
+      m.add_latent("mla", c, std::vector<RequestShape>(8, RequestShape{600, 1}));
+      std::vector<RequestShape> mtp(8, RequestShape{560, 2});
+      mtp[3] = {600, 1};
       m.add_latent("mla", c, mtp);
       c.block_size = 16;
       m.add_latent("mla", c, {{100, 1}, {33, 2}, {0, 0}, {64, 3}}, 1);
@@ -254,7 +254,7 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
       // 32 heads x 1 token (DeepSeek-V3 at TP 4): auto's 32-row swap AB, short and split.
       c.num_heads = 32;
       m.add_latent("mla", c, {{200, 1}, {65, 1}, {0, 1}, {0, 0}}, 1);
-      m.add_latent("mla", c, {{3000, 1}, {700, 1}});
+      m.add_latent("mla", c, {{1100, 1}, {700, 1}});
     }
   }
   // Batch shapes.

@@ -142,8 +142,8 @@ TEST(CudaBackendHost, SplitHeuristicWeighsPrefillCtasByTheirOccupancy) {
 }
 
 // MLA steps put each request's rows on CTAs of the kernel's block_m (route_rows 0). backend_ops'
-// 20 requests of ~700 keys at 16 heads plan 2 splits on a 132-SM GPU (the cluster merge's
-// case), the 2500-key ones more than kMaxClusterSplits (the combine kernel's).
+// 8 requests of ~600 keys at 16 heads plan 2 splits on a 132-SM GPU (the cluster merge's case);
+// 2 requests of 2500 keys more than kMaxClusterSplits (the combine kernel's).
 TEST(CudaBackendHost, SplitHeuristicForMlaSteps) {
   auto mla = [](int batch, int kv_len, int q_len, int block_m) {
     cuda::SplitInputs in = inputs(batch, kv_len, q_len);
@@ -154,8 +154,8 @@ TEST(CudaBackendHost, SplitHeuristicForMlaSteps) {
     in.prefill_block_m = block_m;
     return in;
   };
-  EXPECT_EQ(cuda::choose_num_splits(mla(20, 701, 1, 16)), 2);
-  EXPECT_EQ(cuda::choose_num_splits(mla(20, 652, 2, 32)), 2);
+  EXPECT_EQ(cuda::choose_num_splits(mla(8, 601, 1, 16)), 2);
+  EXPECT_EQ(cuda::choose_num_splits(mla(8, 562, 2, 32)), 2);
   EXPECT_GT(cuda::choose_num_splits(mla(2, 2502, 2, 32)), cuda::mla::kMaxClusterSplits);
   // b64 c4096, 16 heads x 1 (bench_mla's point): 2 splits, 128 CTAs.
   EXPECT_EQ(cuda::choose_num_splits(mla(64, 4096, 1, 16)), 2);
