@@ -52,10 +52,13 @@ PREFILL_SM90_FP8 = [(a, d) for a in ["f16", "bf16"] for d in [64, 96, 128]]
 # "split_s", "seesaw": 16-bit caches only, it needs two stages; "swap_ab" / "swap_ab_32": 16- /
 # 32-row CTAs with the products transposed); its own split combine (576 columns) per activation.
 MLA = [(a, kv, v) for a in ["f16", "bf16"] for kv in ["same", "fp8"]
-       for v in ["", "split_s", "seesaw", "swap_ab", "swap_ab_32"]
+       for v in ["", "split_s", "split_s_512", "seesaw", "swap_ab", "swap_ab_32"]
        if not (kv == "fp8" and v == "seesaw")]
-MLA_CONSUMER = {"": "kRedundant", "split_s": "kSplitS", "seesaw": "kSeesaw", "swap_ab": "kSwapAB",
-                "swap_ab_32": "kSwapAB32"}
+# variant: (consumer, output columns: 576 = kEntry, the generic contract; 512 = kLatent, what
+# MLAAttention up-projects: split-S then leaves out P k_pe and merges its splits in a cluster)
+MLA_CONSUMER = {"": ("kRedundant", "kEntry"), "split_s": ("kSplitS", "kEntry"),
+                "split_s_512": ("kSplitS", "kLatent"), "seesaw": ("kSeesaw", "kLatent"),
+                "swap_ab": ("kSwapAB", "kLatent"), "swap_ab_32": ("kSwapAB32", "kLatent")}
 MLA_COMBINE = ["f16", "bf16"]
 
 KV_KIND = {"same": "kSame", "fp8": "kFp8", "any": "kAny"}
@@ -135,10 +138,11 @@ def family_files():
 
     inc = [HEADER]
     for a, kv, v in MLA:
-        split = f"Consumer::{MLA_CONSUMER[v]}"
+        consumer, cols = MLA_CONSUMER[v]
         files[CUDA / "mla" / "inst" / f"mla_{a}_{kv}{'_' + v if v else ''}.cu"] = instance_file(
-            "mla", "kernel.cuh", f"MlaOps<Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {split}>>")
-        inc.append(f"PAGEDATTN_MLA_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {MLA_CONSUMER[v]})\n")
+            "mla", "kernel.cuh",
+            f"MlaOps<Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, Consumer::{consumer}, {cols}>>")
+        inc.append(f"PAGEDATTN_MLA_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {consumer}, {cols})\n")
     for a in MLA_COMBINE:
         files[CUDA / "mla" / "inst" / f"mla_combine_{a}.cu"] = instance_file(
             "mla", "combine.cuh", f"MlaCombineOps<DType::{DTYPE[a]}>")

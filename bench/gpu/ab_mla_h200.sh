@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A change to the MLA decode kernel, checked and timed in one device call: for every build
-# given, backend_ops --filter mla (the default route, five forced splits, cp.async copies, the
-# forced seesaw, split-S and both swap ABs, the splits merged by the combine kernel; the float64
+# given, backend_ops --filter mla (the default route, two and five forced splits, cp.async
+# copies, the forced redundant, seesaw, split-S and both swap ABs, the splits merged by the
+# combine kernel; the float64
 # reference with poisoned outputs) and compute-sanitizer memcheck, then bench_mla on the points
 # that matter, the builds interleaved point by point for ROUNDS
 # rounds, and a table of each build's best time per point with its ratio to the first build
@@ -50,7 +51,8 @@ for spec in "$@"; do
   # The forced consumers too: auto gives the seesaw only the 128-head cases and swap AB only
   # steps of <= 16 / 32 rows a request (split-S the rest); the seesaw and swap AB refuse
   # 576-column outputs (reported unsupported, not failed).
-  for run in "default" "splits5 PAGEDATTN_CUDA_SPLITS=5" "cp.async PAGEDATTN_CUDA_MLA_COPY=cp.async" \
+  for run in "default" "splits2 PAGEDATTN_CUDA_SPLITS=2" "splits5 PAGEDATTN_CUDA_SPLITS=5" \
+    "cp.async PAGEDATTN_CUDA_MLA_COPY=cp.async" "redundant PAGEDATTN_CUDA_MLA=redundant" \
     "seesaw PAGEDATTN_CUDA_MLA=seesaw" "split-s PAGEDATTN_CUDA_MLA=split-s" \
     "swap-ab PAGEDATTN_CUDA_MLA=swap-ab" "swap-ab-32 PAGEDATTN_CUDA_MLA=swap-ab-32" \
     "merge-kernel PAGEDATTN_CUDA_MLA_MERGE=kernel"; do

@@ -3,7 +3,11 @@
 // CUDA events over CUDA-graph replays (and eagerly), on random data with rotating block tables
 // so that the working set exceeds L2. Writes JSON.
 //
-//   bench_mla --out mla.json [--quick] [--only S1,S2,...]
+//   bench_mla --out mla.json [--quick] [--only S1,S2,...] [--out-cols 512|576]
+//
+// --out-cols 576 binds the generic contract's output (512..575 = P k_pe), which auto serves with
+// split-S's 576-column instance: an A/B of the 512-column kernels against it in one binary
+// (PAGEDATTN_BENCH_MLA_OUT_COLS sets the default, for ab_mla_h200.sh's per-build variables).
 //
 // Bytes counted: each visible latent byte once (sum over requests of seq_len * 576 * elem);
 // split partials, Q and O are not counted. FLOPs: 2 * rows * seq_len * (576 + 512) per request
@@ -54,6 +58,7 @@ struct Options {
   std::string out = "bench_mla.json";
   bool quick = false;
   std::vector<std::string> only;
+  int out_cols = kLatent;
 };
 
 json run_point(const Backend& backend, const Shape& s, const Options& o, size_t l2_bytes,
@@ -74,7 +79,8 @@ json run_point(const Backend& backend, const Shape& s, const Options& o, size_t 
             {"num_heads", s.num_heads},
             {"block_size", s.block_size},
             {"dtype", std::string(dtype_name(s.dtype))},
-            {"kv_cache_dtype", std::string(to_string(s.kv))}};
+            {"kv_cache_dtype", std::string(to_string(s.kv))},
+            {"out_cols", o.out_cols}};
   const auto reasons = backend.check({c, Device::cuda(0)});
   if (!reasons.empty()) {
     r["skipped"] = reasons.front();
@@ -115,8 +121,8 @@ json run_point(const Backend& backend, const Shape& s, const Options& o, size_t 
   const int64_t tokens = int64_t(s.batch) * s.q_len;
   Tensor query = Tensor::empty({tokens, s.num_heads, kEntry}, s.dtype, dev);
   fill_random(query.data(), query.view().nbytes(), s.dtype, rng, stream);
-  // The latent output as MLAAttention binds it: P V's first kv_lora_rank columns.
-  Tensor out = Tensor::empty({tokens, s.num_heads, kLatent}, s.dtype, dev);
+  // The latent output as MLAAttention binds it: P V's first kv_lora_rank columns (or all 576).
+  Tensor out = Tensor::empty({tokens, s.num_heads, o.out_cols}, s.dtype, dev);
 
   auto impl = backend.make_impl(c, dev);
   const auto plan = backend.plan(mds[0], c);
@@ -205,6 +211,16 @@ std::vector<Shape> shapes(const Options& o) {
       s.num_heads = 16;
       s.q_len = 4;
       v.push_back(s);
+      // The same two over an fp8 e4m3 cache: half the bytes per FLOP, where the compute-bound
+      // target (600 TFLOP/s) is within the copy rate's reach at 16 heads x 4.
+      s.kv = KVCacheDType::kFp8E4M3;
+      s.group = "h16q4-fp8";
+      v.push_back(s);
+      s.group = "h128q1-fp8";
+      s.num_heads = 128;
+      s.q_len = 1;
+      v.push_back(s);
+      s.kv = KVCacheDType::kAuto;
       // 128 heads x 2 tokens (multi-token prediction): four M tiles share each K/V read.
       s.group = "h128q2";
       s.num_heads = 128;
@@ -233,10 +249,13 @@ std::vector<Shape> shapes(const Options& o) {
 
 int main(int argc, char** argv) {
   Options o;
+  if (const char* v = std::getenv("PAGEDATTN_BENCH_MLA_OUT_COLS")) o.out_cols = std::atoi(v);
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--out" && i + 1 < argc) {
       o.out = argv[++i];
+    } else if (a == "--out-cols" && i + 1 < argc) {
+      o.out_cols = std::atoi(argv[++i]);
     } else if (a == "--quick") {
       o.quick = true;
     } else if (a == "--only" && i + 1 < argc) {
@@ -247,9 +266,14 @@ int main(int argc, char** argv) {
         p = q + 1;
       }
     } else {
-      std::fprintf(stderr, "usage: bench_mla [--out FILE] [--quick] [--only S1,S2]\n");
+      std::fprintf(stderr,
+                   "usage: bench_mla [--out FILE] [--quick] [--only S1,S2] [--out-cols 512|576]\n");
       return 2;
     }
+  }
+  if (o.out_cols != kLatent && o.out_cols != kEntry) {
+    std::fprintf(stderr, "bench_mla: --out-cols takes %d or %d\n", kLatent, kEntry);
+    return 2;
   }
   try {
     const Backend* backend = default_registry().find("cuda");

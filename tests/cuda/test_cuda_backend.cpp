@@ -329,14 +329,31 @@ TEST(CudaBackendHost, MlaRouteFromTheEnvironmentAndTheHeadCount) {
     const cuda::mla::MlaKernel* k = cuda::mla::find_mla(act, act, 128);
     ASSERT_NE(k, nullptr);
     EXPECT_EQ(k->consumer, Consumer::kSeesaw);
-    for (int heads : {16, 64}) {
-      k = cuda::mla::find_mla(act, act, heads);
-      ASSERT_NE(k, nullptr);
-      EXPECT_EQ(k->consumer, Consumer::kSplitS) << heads;
+    for (DType cache : {act, DType::kFp8E4M3}) {
+      for (int heads : {16, 64, 128}) {
+        if (heads == 128 && cache == act) continue;  // the seesaw, above
+        // Split-S: the 512-column instance (no P k_pe; splits merged in a cluster) for the
+        // latent output, the 576-column one (combine kernel) for the generic contract.
+        k = cuda::mla::find_mla(act, cache, heads);
+        ASSERT_NE(k, nullptr);
+        EXPECT_EQ(k->consumer, Consumer::kSplitS) << heads;
+        EXPECT_EQ(k->max_out_cols, cuda::mla::kLatent);
+        EXPECT_EQ(k->block_m, 64);
+        EXPECT_TRUE(k->cluster_merge);
+        const cuda::mla::MlaKernel* wide =
+            cuda::mla::find_mla(act, cache, heads, Consumer::kSplitS, cuda::mla::kEntry);
+        ASSERT_NE(wide, nullptr);
+        EXPECT_NE(wide, k);
+        EXPECT_EQ(wide->consumer, Consumer::kSplitS);
+        EXPECT_EQ(wide->max_out_cols, cuda::mla::kEntry);
+        EXPECT_FALSE(wide->cluster_merge);
+        // Asked for a narrower output, still the narrowest that holds it.
+        EXPECT_EQ(cuda::mla::find_mla(act, cache, heads, Consumer::kSplitS, 301), k);
+        EXPECT_EQ(cuda::mla::find_mla(act, cache, heads, Consumer::kSplitS, 513), wide);
+      }
     }
-    k = cuda::mla::find_mla(act, DType::kFp8E4M3, 128);
-    ASSERT_NE(k, nullptr);
-    EXPECT_EQ(k->consumer, Consumer::kSplitS);
+    EXPECT_EQ(cuda::mla::find_mla(act, act, 128, Consumer::kSeesaw, cuda::mla::kEntry), nullptr);
+    EXPECT_EQ(cuda::mla::find_mla(act, act, 16, Consumer::kSwapAB, cuda::mla::kEntry), nullptr);
     EXPECT_EQ(cuda::mla::find_mla(act, DType::kFp8E4M3, 128, Consumer::kSeesaw), nullptr);
     k = cuda::mla::find_mla(act, act, 16, Consumer::kRedundant);
     ASSERT_NE(k, nullptr);
@@ -371,27 +388,31 @@ TEST(CudaBackendHost, MlaKernelPerStep) {
   using cuda::mla::mla_for_step;
   using cuda::mla::NarrowMla;
   const cuda::mla::MlaKernel* split = cuda::mla::find_mla(DType::kBF16, DType::kBF16, 16);
+  const cuda::mla::MlaKernel* split576 =
+      cuda::mla::find_mla(DType::kBF16, DType::kBF16, 16, Consumer::kSplitS, cuda::mla::kEntry);
   const cuda::mla::MlaKernel* swap =
       cuda::mla::find_mla(DType::kBF16, DType::kBF16, 16, Consumer::kSwapAB);
   const cuda::mla::MlaKernel* swap32 =
       cuda::mla::find_mla(DType::kBF16, DType::kBF16, 16, Consumer::kSwapAB32);
   const cuda::mla::MlaKernel* seesaw = cuda::mla::find_mla(DType::kBF16, DType::kBF16, 128);
   ASSERT_NE(split, nullptr);
+  ASSERT_NE(split576, nullptr);
   ASSERT_NE(swap, nullptr);
   ASSERT_NE(swap32, nullptr);
   ASSERT_NE(seesaw, nullptr);
   const NarrowMla both = {swap, swap32};
   // 16 heads: one token a request fits swap AB, two its 32-row CTAs; three do not; 576
-  // columns do not.
-  EXPECT_EQ(mla_for_step(split, nullptr, both, 1, 16, 512), swap);
-  EXPECT_EQ(mla_for_step(split, nullptr, both, 1, 16, 301), swap);
-  EXPECT_EQ(mla_for_step(split, nullptr, both, 2, 16, 512), swap32);
-  EXPECT_EQ(mla_for_step(split, nullptr, both, 3, 16, 512), split);
-  EXPECT_EQ(mla_for_step(split, nullptr, both, 1, 16, 576), split);
-  EXPECT_EQ(mla_for_step(split, nullptr, both, 2, 16, 576), split);
-  EXPECT_EQ(mla_for_step(split, nullptr, both, 4, 4, 512), swap);     // 16 rows
-  EXPECT_EQ(mla_for_step(split, nullptr, both, 1, 32, 512), swap32);  // 32 rows
-  EXPECT_EQ(mla_for_step(split, nullptr, both, 1, 33, 512), split);
+  // columns do not (auto's wide kernel, split-S's 576-column instance, takes them).
+  EXPECT_EQ(mla_for_step(split, split576, both, 1, 16, 512), swap);
+  EXPECT_EQ(mla_for_step(split, split576, both, 1, 16, 301), swap);
+  EXPECT_EQ(mla_for_step(split, split576, both, 2, 16, 512), swap32);
+  EXPECT_EQ(mla_for_step(split, split576, both, 3, 16, 512), split);
+  EXPECT_EQ(mla_for_step(split, split576, both, 1, 16, 576), split576);
+  EXPECT_EQ(mla_for_step(split, split576, both, 2, 16, 576), split576);
+  EXPECT_EQ(mla_for_step(split, split576, both, 4, 16, 576), split576);
+  EXPECT_EQ(mla_for_step(split, split576, both, 4, 4, 512), swap);     // 16 rows
+  EXPECT_EQ(mla_for_step(split, split576, both, 1, 32, 512), swap32);  // 32 rows
+  EXPECT_EQ(mla_for_step(split, split576, both, 1, 33, 512), split);
   // Only one of them compiled (or asked for): the other is skipped.
   EXPECT_EQ(mla_for_step(split, nullptr, NarrowMla{nullptr, swap32}, 1, 16, 512), swap32);
   EXPECT_EQ(mla_for_step(split, nullptr, NarrowMla{swap, nullptr}, 2, 16, 512), split);
@@ -401,8 +422,11 @@ TEST(CudaBackendHost, MlaKernelPerStep) {
   EXPECT_EQ(mla_for_step(swap, nullptr, {}, 1, 16, 576), nullptr);
   EXPECT_EQ(mla_for_step(swap32, nullptr, {}, 4, 16, 512), swap32);
   // 128 heads under auto: the seesaw, split-S for 576 columns.
-  EXPECT_EQ(mla_for_step(seesaw, split, both, 1, 128, 512), seesaw);
-  EXPECT_EQ(mla_for_step(seesaw, split, both, 1, 128, 576), split);
+  EXPECT_EQ(mla_for_step(seesaw, split576, both, 1, 128, 512), seesaw);
+  EXPECT_EQ(mla_for_step(seesaw, split576, both, 1, 128, 576), split576);
+  // split-s forced: its 512-column instance, the 576-column one as the wide kernel.
+  EXPECT_EQ(mla_for_step(split, split576, {}, 1, 16, 512), split);
+  EXPECT_EQ(mla_for_step(split, split576, {}, 1, 16, 576), split576);
 }
 
 TEST(CudaBackendHost, PrefillWalkVisitsEveryWorkTileOnceGroupByGroup) {

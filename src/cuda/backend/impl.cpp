@@ -99,11 +99,13 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
     if (device_props(device.index).cc_major >= 9 && options.mla_copy != MlaCopy::kCpAsync) {
       mla_tma_rows_ = options.mla_copy == MlaCopy::kTma ? 16 : 64;
     }
-    // The seesaw writes the 512 latent columns only; under auto, a wider output (the generic
-    // contract's 576) takes split-S.
-    if (mla_->max_out_cols < mla::kEntry && options.mla_consumer == mla::Consumer::kAuto) {
-      mla_wide_ =
-          mla::find_mla(config.dtype, cache_dtype_, config.num_heads, mla::Consumer::kSplitS);
+    // The seesaw, swap AB and split-S's first instance write the 512 latent columns only; a
+    // wider output (the generic contract's 576) takes split-S's 576-column instance under auto
+    // or split-s (none under the seesaw or swap AB: refused).
+    if (mla_->max_out_cols < mla::kEntry) {
+      const mla::Consumer c = options.mla_consumer == mla::Consumer::kAuto ? mla::Consumer::kSplitS
+                                                                           : options.mla_consumer;
+      mla_wide_ = mla::find_mla(config.dtype, cache_dtype_, config.num_heads, c, mla::kEntry);
     }
     // Steps whose requests have at most 16 packed rows (16 heads x 1 token) take swap AB under
     // auto: no padded rows ([H100] fp8 cache +23-26%, 16-bit +1.5-3%, where it is memory-bound);

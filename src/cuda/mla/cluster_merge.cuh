@@ -5,7 +5,9 @@
 // Why: the partials' round trip (2 KB a row a split, written as every CTA ends, read back by a
 // kernel that starts when the last CTA is done) and the kernel boundary: this merge is 2.1-2.4%
 // faster at 16 heads x 1-2 tokens and 32 x 1, b64, two splits [H100,
-// bench/results/2026-12-06-h100-mla-cluster-merge.txt].
+// bench/results/2026-12-06-h100-mla-cluster-merge.txt]. Split-S's 64-row CTAs (16 heads x 4
+// tokens) hold 4x the rows: there it is 4% faster than the combine kernel at b64, bf16 (and within
+// 0-2% of it over fp8) [H100, 2026-12-06-h100-mla-split-s-512.txt].
 //
 // Map (kernel.cuh's "split merge")
 //   owners   CTA rank r of the cluster (its split, blockIdx.y) owns latent columns [r cpc,
@@ -17,8 +19,8 @@
 //   merge    after cluster barrier 2, the owner's 256 consumer threads merge their columns of
 //            every row as combine.cuh does (weights 2^(lse_c - max)), store the output and, at
 //            rank 0, the LSE.
-//   budget   s kRows cpc + s kRows floats (32-34 KB at 16 rows, 64-68 KB at 32) in the first K/V
-//            stage (72 KB).
+//   budget   s kRows cpc + s kRows floats (32-34 KB at 16 rows, 64-68 KB at 32, 128-135 KB at
+//            64: split-S) from the first K/V stage on (config.h merge_bytes, checked by Traits).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -69,6 +71,13 @@ struct ClusterMerge {
     float* const dst = cooperative_groups::this_cluster().map_shared_rank(recv, owner);
     dst[(rank * kRows + row) * cpc + (col - owner * cpc)] = v;
   }
+  /// Row `row`'s values at the even latent column `col` and col + 1 (one owner: cpc is even).
+  __device__ void send2(int row, int col, float v0, float v1) const {
+    const int owner = col / cpc;
+    float* const dst = cooperative_groups::this_cluster().map_shared_rank(recv, owner);
+    *reinterpret_cast<float2*>(dst + (rank * kRows + row) * cpc + (col - owner * cpc)) =
+        make_float2(v0, v1);
+  }
   /// Row `row`'s LSE (log2 units) to every CTA of the cluster.
   __device__ void send_lse(int row, float lse2) const {
     for (int o = 0; o < s; ++o) {
@@ -112,5 +121,33 @@ struct ClusterMerge {
     }
   }
 };
+
+// The 64-row consumers' split merge in a cluster (split-S's 512-column instances): this
+// thread's rows row_a and row_a + 8, normalised as store_rows does, to the CTAs that own their
+// columns, then this CTA's columns merged and stored (ClusterMerge above).
+template <class T>
+__device__ __forceinline__ void merge_rows_in_cluster(const MlaParams& p, const Work& w,
+                                                      unsigned char* area, const float (&o)[32][4],
+                                                      const float (&m)[2], const float (&l)[2],
+                                                      int row_a, int t4, int cw, int ct) {
+  static_assert(T::kClusterMerge && T::kBlockM == kBlockM);
+  const ClusterMerge<kBlockM> cm(p, area);
+  cm.arrive_done();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float total = l[h];
+    total += __shfl_xor_sync(0xffffffffu, total, 1);
+    total += __shfl_xor_sync(0xffffffffu, total, 2);
+    const int row = row_a + 8 * h;
+    if (row >= w.num_rows) continue;
+    const float factor = total > 0.0f ? p.v_scale / total : 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      cm.send2(row, 256 * cw + 8 * i + 2 * t4, o[i][2 * h] * factor, o[i][2 * h + 1] * factor);
+    }
+    if (cw == 0 && t4 == 0) cm.send_lse(row, total > 0.0f ? m[h] + log2f(total) : -INFINITY);
+  }
+  cm.template merge_store<T::act>(p, w, cw * 128 + ct);
+}
 
 }  // namespace pagedattn::cuda::mla

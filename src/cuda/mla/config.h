@@ -56,6 +56,22 @@ constexpr int merge_cols(int s) {
   return ((kLatent + s - 1) / s + 3) / 4 * 4;
 }
 inline constexpr int kMaxSmemPerCta = 227 * 1024;
+/// Shared memory a cluster merge of `rows`-row CTAs takes at most over 2..kMaxClusterSplits
+/// splits (cluster_merge.cuh: [s][rows][merge_cols(s)] floats and [s][rows] LSEs).
+constexpr int merge_bytes(int rows) {
+  int most = 0;
+  for (int s = 2; s <= kMaxClusterSplits; ++s) {
+    const int b = s * rows * (merge_cols(s) + 1) * 4;
+    most = b > most ? b : most;
+  }
+  return most;
+}
+/// The output columns a consumer computes unless its instance says otherwise: the seesaw and
+/// swap AB the 512 latent columns (what MLAAttention up-projects), the others all 576 (the
+/// generic contract: 512..575 = P k_pe).
+constexpr int default_out_cols(Consumer c) {
+  return c == Consumer::kSeesaw || is_swap_ab(c) ? kLatent : kEntry;
+}
 
 /// Byte offsets of the dynamic shared memory (after aligning the base to 1024 bytes).
 struct Layout {
@@ -64,8 +80,10 @@ struct Layout {
   int q_offset = 0;              ///< Q [9 panels][block m rows][64 cols] 16-bit, swizzled
   int stage_offset = 0;          ///< [stages] 16-bit K/V tiles [9 panels][64 keys][64 cols]
   int stage_bytes = 0;
-  int raw_offset = 0;  ///< fp8 only: [raw slots][64 keys][576] bytes as copied (natural order)
+  int raw_offset = 0;  ///< fp8 only: [ring][64 keys][576] bytes as copied (natural order): own
+                       ///< slots after the stages, or the back half of each stage (in place)
   int raw_bytes = 0;
+  int raw_stride = 0;    ///< bytes from one raw tile to the next (raw_bytes, or stage_bytes)
   int table_offset = 0;  ///< [2][64] int64 byte offsets of a tile's rows (producer)
   int p_offset = 0;      ///< split-S, seesaw: P [64 rows][64 keys] 16-bit, one swizzled panel
                          ///< (swap AB: P^T [16 rows][64 keys]; swap AB 32: [2][32 rows][64 keys])
@@ -76,24 +94,32 @@ struct Layout {
   int total = 0;         ///< including 1024 bytes to align the dynamic base
 };
 
-/// 16-bit cache: two 16-bit stages (Q 72 KB + 2 x 72 KB = 216 KB). fp8: one 16-bit stage and
-/// two raw fp8 tiles (72 + 72 + 2 x 36 KB): the raw copies of the next tiles stay in flight while
-/// the consumers widen the current one into the stage. Swap AB's Q is 18 KB, so over fp8 it has
-/// two 16-bit stages and one raw slot (18 + 2 x 72 + 36 KB): the consumers widen tile j + 1 into
-/// the other stage while tile j's P V runs. Swap AB 32's Q is 36 KB: the same ring fits with
-/// its two P^T buffers and no partial-sum exchange (227 KB).
+/// fp8, split-S: the raw tile lands in the back half of the 16-bit stage it is widened into
+/// (the consumers load all of it into registers, sync, then store the widened panels over it), so
+/// two 16-bit stages fit beside the 72 KB Q and tile j + 1 is widened while tile j's P V runs,
+/// at the cost of one raw tile in flight (the copy of tile j + 2 waits for tile j's P V).
+constexpr bool raw_in_stage_for(KVKind kv, Consumer c) {
+  return kv == KVKind::kFp8 && c == Consumer::kSplitS;
+}
+/// 16-bit cache: two 16-bit stages (Q 72 KB + 2 x 72 KB = 216 KB). fp8: split-S the same two
+/// stages with the raw tiles in place (raw_in_stage_for); the redundant consumer one 16-bit
+/// stage and two raw fp8 tiles (72 + 72 + 2 x 36 KB): the raw copies of the next tiles stay in
+/// flight while the consumers widen the current one into the stage. Swap AB's Q is 18 KB, so
+/// over fp8 it has two 16-bit stages and one raw slot (18 + 2 x 72 + 36 KB): the consumers widen
+/// tile j + 1 into the other stage while tile j's P V runs. Swap AB 32's Q is 36 KB: the same
+/// ring fits with its two P^T buffers and no partial-sum exchange (227 KB).
 constexpr int stages_for(KVKind kv, Consumer c) {
-  return kv == KVKind::kSame || is_swap_ab(c) ? 2 : 1;
+  return kv == KVKind::kSame || is_swap_ab(c) || raw_in_stage_for(kv, c) ? 2 : 1;
 }
 constexpr int raw_slots_for(KVKind kv, Consumer c) {
-  return kv == KVKind::kSame ? 0 : is_swap_ab(c) ? 1 : 2;
+  return kv == KVKind::kSame || raw_in_stage_for(kv, c) ? 0 : is_swap_ab(c) ? 1 : 2;
 }
-/// The ring the producer fills and the `full` / `empty` barriers count: the 16-bit stages, or
-/// for fp8 the raw slots (the consumers widen a slot into a stage themselves: with the
-/// producer's 4 warps widening, [H100] 80 of the 247 us at h16 b64 c8192 were the widening in
-/// series with the consumers, whose chain alone took 166).
+/// The ring the producer fills and the `full` / `empty` barriers count: the 16-bit stages (also
+/// fp8 in place), or for fp8 the raw slots (the consumers widen a slot into a stage themselves:
+/// with the producer's 4 warps widening, [H100] 80 of the 247 us at h16 b64 c8192 were the
+/// widening in series with the consumers, whose chain alone took 166).
 constexpr int ring_for(KVKind kv, Consumer c) {
-  return kv == KVKind::kSame ? stages_for(kv, c) : raw_slots_for(kv, c);
+  return kv == KVKind::kSame || raw_in_stage_for(kv, c) ? stages_for(kv, c) : raw_slots_for(kv, c);
 }
 
 /// A stage's barriers per part: the seesaw frees and refills each half of a stage on its own
@@ -114,10 +140,13 @@ constexpr Layout layout_for(KVKind kv, Consumer c) {
   s.q_offset = 0;
   s.stage_offset = kPanels * s.q_panel;  // 9 x 2 KB keeps swap AB's stages 1024-aligned
   s.stage_bytes = kPanels * s.kv_panel;
-  s.raw_offset = s.stage_offset + stages_for(kv, c) * s.stage_bytes;
   s.raw_bytes = kv == KVKind::kFp8 ? kBlockN * kEntry : 0;
+  const int stages_end = s.stage_offset + stages_for(kv, c) * s.stage_bytes;
+  s.raw_offset =
+      raw_in_stage_for(kv, c) ? s.stage_offset + s.stage_bytes - s.raw_bytes : stages_end;
+  s.raw_stride = raw_in_stage_for(kv, c) ? s.stage_bytes : s.raw_bytes;
   // P stays 1024-aligned: 2 raw tiles or 2 stages leave the running offset a multiple of 8 KB.
-  s.p_offset = s.raw_offset + raw_slots_for(kv, c) * s.raw_bytes;
+  s.p_offset = stages_end + raw_slots_for(kv, c) * s.raw_bytes;
   s.table_offset = s.p_offset + (shares_p ? (swap32 ? 2 : 1) * block_m_for(c) * 128 : 0);
   s.xchg_offset = s.table_offset + 2 * kBlockN * 8;
   s.bar_offset = s.xchg_offset + (swap       ? 2 * 128 * 8 * 4 + 2 * 4 * 16 * 4
@@ -136,7 +165,7 @@ constexpr Layout layout_for(KVKind kv, Consumer c) {
 /// division). kRedundant (PAGEDATTN_CUDA_MLA=redundant): both compute the whole S of a tile.
 /// kSeesaw (PAGEDATTN_CUDA_MLA=seesaw; the default for 16-bit caches above 64 heads, see
 /// default_consumer()): FlashMLA's schedule, see kernel.cuh.
-template <DType kAct, KVKind kKV, Consumer kC>
+template <DType kAct, KVKind kKV, Consumer kC, int kOutColsT = default_out_cols(kC)>
 struct Traits {
   static constexpr DType act = kAct;
   static constexpr KVKind kv = kKV;
@@ -146,13 +175,23 @@ struct Traits {
   static_assert(kC != Consumer::kSeesaw || kKV == KVKind::kSame, "the seesaw needs two stages");
   static constexpr int kStages = stages_for(kKV, kC);
   static constexpr int kRawSlots = raw_slots_for(kKV, kC);
+  static constexpr bool kRawInStage = raw_in_stage_for(kKV, kC);
   static constexpr int kRing = ring_for(kKV, kC);
   static constexpr int kHalves = halves_for(kC);
   static constexpr int kBlockM = block_m_for(kC);
   static constexpr int kCacheBytes = kKV == KVKind::kSame ? 2 : 1;
-  /// Output columns computed: the seesaw leaves out P k_pe (1/9 of its P V work, and
-  /// warpgroup 1's half of O no longer larger than warpgroup 0's), the others compute all 576.
-  static constexpr int kOutCols = kC == Consumer::kSeesaw || is_swap_ab(kC) ? kLatent : kEntry;
+  /// Output columns computed: 512 leaves out P k_pe (the seesaw: 1/9 of its P V work, and
+  /// warpgroup 1's half of O no longer larger than warpgroup 0's; split-S: both warpgroups
+  /// computed all 64, a fifth of each one's P V), 576 computes it.
+  static constexpr int kOutCols = kOutColsT;
+  static_assert(kOutCols == kEntry || kOutCols == kLatent);
+  static_assert(kOutCols == kEntry || kC != Consumer::kRedundant, "redundant computes 576");
+  static_assert(kOutCols == kLatent || default_out_cols(kC) == kEntry,
+                "the seesaw and swap AB compute the 512 latent columns only");
+  /// The splits of a (request, M tile) can merge inside a cluster (cluster_merge.cuh: the 512
+  /// latent columns, in the freed K/V stages).
+  static constexpr bool kClusterMerge =
+      kOutCols == kLatent && (is_swap_ab(kC) || kC == Consumer::kSplitS);
   /// Warpgroup 0 produces; warpgroups 1 and 2 each compute the same S and softmax and
   /// accumulate their own 256 of the 512 kv_c columns, plus (both, redundantly) the 64 k_pe
   /// columns: 160 fp32 accumulators per thread.
@@ -171,6 +210,8 @@ struct Traits {
   }
   static_assert(layout().total <= kMaxSmemPerCta);
   static_assert(layout().p_offset % 1024 == 0, "P is a swizzled wgmma operand");
+  static_assert(!kClusterMerge || merge_bytes(kBlockM) <= layout().p_offset - layout().stage_offset,
+                "the cluster merge lands in the K/V stages (and fp8's raw slots after them)");
 };
 
 }  // namespace pagedattn::cuda::mla

@@ -9,6 +9,7 @@
 #include "cuda/arch/sm80/ptx.cuh"
 #include "cuda/arch/sm90/wgmma.cuh"
 #include "cuda/common/dtypes.cuh"
+#include "cuda/mla/cluster_merge.cuh"
 #include "cuda/mla/common.cuh"
 #include "cuda/mla/softmax.cuh"
 #include "cuda/mla/store.cuh"
@@ -21,6 +22,9 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
                                                 unsigned char* smem,
                                                 Barriers<T::kRing, T::kHalves> bars, int n_tiles) {
   constexpr int kStages = T::kStages, kHalf = kBlockN / 2, kSn = kHalf / 8;
+  // P k_pe (both warpgroups compute it, warpgroup 0 stores it) only for 576-column outputs: at
+  // 512 each warpgroup's P V is m64n256 instead of n256 + n64.
+  constexpr bool kPe = T::kOutCols > kLatent;
   constexpr bool kFp8 = T::kv == KVKind::kFp8;
   constexpr bool kBF16 = T::act == DType::kBF16;
   constexpr Layout lay = T::layout();
@@ -34,11 +38,11 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
   const RowBounds bounds = row_bounds(p, w, row_a);
 
   float o[32][4];
-  float o_pe[8][4];
+  float o_pe[kPe ? 8 : 1][4];
 #pragma unroll
   for (int i = 0; i < 32; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) o_pe[i][0] = o_pe[i][1] = o_pe[i][2] = o_pe[i][3] = 0.0f;
+  for (int i = 0; i < (kPe ? 8 : 1); ++i) o_pe[i][0] = o_pe[i][1] = o_pe[i][2] = o_pe[i][3] = 0.0f;
   // m is the same in both warpgroups (both see both halves' maxima); l counts own keys only.
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
@@ -48,15 +52,19 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
   const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset);
   const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
   mbar_wait(bars.q_full(), 0);
+  // fp8 in place (two stages): tile 0 here, tile j + 1 while tile j's P V runs (below).
+  if constexpr (T::kRawInStage) {
+    if (n_tiles > 0) widen_tile<T>(smem, bars, 0, cw * 128 + ct, 3 + cw, 128, kBarConsumers);
+  }
   for (int j = 0; j < n_tiles; ++j) {
     const int s = kStages == 1 ? 0 : j % kStages;
-    if constexpr (kFp8) {
+    if constexpr (kFp8 && !T::kRawInStage) {
       // Both warpgroups past tile j - 1's P V: the stage is free to widen tile j into. Each
       // widens the 32 keys its S reads (named barrier 3 + cw); P V reads the other's after the
       // P barrier below, which both pass after their widening.
       if (j > 0) sm90::named_barrier_sync(kBarConsumers, 256);
       widen_tile<T>(smem, bars, j, cw * 128 + ct, 3 + cw, 128);
-    } else {
+    } else if constexpr (!kFp8) {
       mbar_wait(bars.full(s), uint32_t((j / kStages) & 1));
       ptx::fence_proxy_async(ptx::space_shared);
     }
@@ -105,7 +113,7 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
 #pragma unroll
     for (int h = 0; h < 2; ++h) l[h] = l[h] * corr[h] + sum[h];
     scale_rows(o, corr);
-    scale_rows(o_pe, corr);
+    if constexpr (kPe) scale_rows(o_pe, corr);
     // This half of P into the panel (K-major A operand: key k of row r is 16-bit element k of
     // the row's 128 bytes): keys 32 cw .. 32 cw + 31 are chunks 4 cw .. 4 cw + 3.
     {
@@ -118,7 +126,7 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
 
     // O += P V over all 64 keys: P from the panel (+32 B per 16 keys), V MN-major as in consume.
     sm90::fence_operands(o);
-    sm90::fence_operands(o_pe);
+    if constexpr (kPe) sm90::fence_operands(o_pe);
     sm90::wgmma_fence();
     const uint32_t v_base = k_base + 4 * cw * lay.kv_panel;
     const uint32_t pe_base = k_base + 8 * lay.kv_panel;
@@ -127,21 +135,40 @@ __device__ __forceinline__ void consume_split_s(const MlaParams& p, const Work& 
       const uint64_t dp = sm90::sw128_desc(p_base + kk * 32, 16, 1024);
       sm90::Wgmma<256, kBF16>::template ss<1>(
           o, dp, sm90::sw128_desc(v_base + kk * 2048, lay.kv_panel, 1024), 1);
-      sm90::Wgmma<64, kBF16>::template ss<1>(
-          o_pe, dp, sm90::sw128_desc(pe_base + kk * 2048, lay.kv_panel, 1024), 1);
+      if constexpr (kPe) {
+        sm90::Wgmma<64, kBF16>::template ss<1>(
+            o_pe, dp, sm90::sw128_desc(pe_base + kk * 2048, lay.kv_panel, 1024), 1);
+      }
     }
     sm90::wgmma_commit();
+    // Tile j + 1 widened into the other stage under this P V: both warpgroups are past tile
+    // j - 1's P V, the other stage's last reader (the maxima barrier above).
+    if constexpr (T::kRawInStage) {
+      if (j + 1 < n_tiles) {
+        widen_tile<T>(smem, bars, j + 1, cw * 128 + ct, 3 + cw, 128, kBarConsumers);
+      }
+    }
     sm90::wgmma_wait<0>();
     sm90::fence_operands(o);
-    sm90::fence_operands(o_pe);
-    if constexpr (!kFp8) ptx::mbarrier_arrive(bars.empty(s));
+    if constexpr (kPe) sm90::fence_operands(o_pe);
+    if constexpr (!kFp8 || T::kRawInStage) ptx::mbarrier_arrive(bars.empty(s));
   }
 
   // Row sums: thread ct of the other warpgroup holds the same rows' sums over the other half
   // of the keys; exchanged through the P panel, free once both warpgroups are past their last
   // P V (the barrier).
   add_other_row_sums(l, reinterpret_cast<float*>(p_tile), cw, ct);
-  store_rows<T, 8>(p, w, o, o_pe, m, l, row_a, t4, cw);
+  if constexpr (kPe) {
+    store_rows<T, 8>(p, w, o, o_pe, m, l, row_a, t4, cw);
+  } else {
+    if constexpr (T::kClusterMerge) {
+      if (p.split_cluster > 1) {
+        merge_rows_in_cluster<T>(p, w, smem + lay.stage_offset, o, m, l, row_a, t4, cw, ct);
+        return;
+      }
+    }
+    store_rows<T>(p, w, o, m, l, row_a, t4, cw);
+  }
 }
 
 }  // namespace pagedattn::cuda::mla

@@ -20,9 +20,11 @@
 //             the pace before); completion arrives on the stage's `full` mbarrier. With
 //             p.kv_tma, full tiles of a 16-bit cache come instead by TMA (one box per panel
 //             and block, issued by thread 0 with the tile's byte count, L2 evict-first). fp8
-//             caches: the raw tile lands in one of two natural-order slots (the next tile's
-//             copies in flight), which the consumers widen into the one 16-bit stage
-//             (widen.cuh) once they are past the previous tile's P V.
+//             caches: the raw tile lands in natural order, which the consumers widen into a
+//             16-bit stage (widen.cuh): split-S's raw tile in the back half of that stage
+//             itself (two stages; tile j + 1 widened while tile j's P V runs), the redundant
+//             consumer's in one of two slots beside its one 16-bit stage, swap AB's in one
+//             slot beside its two.
 //   redundant (PAGEDATTN_CUDA_MLA=redundant, kept as a comparison: 1.2-1.4x slower on the
 //             H200) warpgroups 1 and 2 (consumers, 240 registers) both compute the same S (wgmma
 //             SS, m64n64k16, 36 k steps) and softmax, then each accumulates O += P V for its 256 of
@@ -36,7 +38,9 @@
 //             half of P (16-bit) into one swizzled 64 x 64 panel, and both run O += P V with P
 //             from shared memory (wgmma SS) over all 64 keys for their columns: S once per
 //             tile instead of twice. Row sums stay per warpgroup (same maxima, same
-//             rescaling) and are added at the end.
+//             rescaling) and are added at the end. Two instances per cache kind: 576 output
+//             columns (both warpgroups also compute P k_pe, m64n64k16) and 512 (without it, a
+//             fifth less P V per warpgroup; auto's choice wherever the output is the latent).
 //   seesaw    (Traits::consumer kSeesaw, 16-bit caches; PAGEDATTN_CUDA_MLA=seesaw; FlashMLA's
 //             schedule) warpgroup c owns the tiles j = c (mod 2): it computes their whole S
 //             (m64n64k16 SS, not smem-bound as split-S's n32 is) and softmax and writes P_j to the
@@ -68,18 +72,20 @@
 //             32-row CTAs, warpgroup c's S^T the rows 16 c .. 16 c + 15 over all 36 k steps and its
 //             own softmax (no partial sums exchanged), each row's rescale passed to the other
 //             warpgroup, whose O^T (m64n32k16) holds all 32 rows; P^T in two buffers.
-//   split merge (MlaParams::split_cluster; swap AB, at most kMaxClusterSplits splits) the
+//   split merge (MlaParams::split_cluster; Traits::kClusterMerge: swap AB and split-S's
+//             512-column instances, at most kMaxClusterSplits splits) the
 //             splits of a (request, M tile) are one cluster: after their last tile the consumers
 //             send their normalised rows to the CTA owning each column block through
 //             distributed shared memory (the freed first stage) and merge them there
 //             (cluster_merge.cuh); otherwise float partials and the combine kernel.
 //   sync      mbarriers through CCCL's cuda::ptx: full[s] (128 producer arrivals), empty[s]
-//             (256 consumer arrivals) per slot s of the producer's ring (the 16-bit stages, or
-//             fp8's raw slots); phases flip every kRing tiles. Consumers fence the
-//             async proxy after a `full` wait, before their wgmmas read what the generic proxy
+//             (256 consumer arrivals) per slot s of the producer's ring (the 16-bit stages, fp8
+//             split-S's too, or fp8's raw slots); phases flip every kRing tiles. Consumers fence
+//             the async proxy after a `full` wait, before their wgmmas read what the generic proxy
 //             (cp.async, st.shared) wrote.
-//   budget    smem 218 KB (config.h): Q 72 KB + two 16-bit stages of 72 KB, or (fp8) one stage
-//             and two raw fp8 tiles of 36 KB; swap AB ~210 KB: Q 18 KB + two stages (+ one raw
+//   budget    smem 218 KB (config.h): Q 72 KB + two 16-bit stages of 72 KB (fp8 split-S too,
+//             the raw tiles inside them), or (fp8, redundant) one stage and two raw fp8 tiles of
+//             36 KB; swap AB ~210 KB: Q 18 KB + two stages (+ one raw
 //             slot over fp8) + its exchange buffers; swap AB 32 over fp8 227 KB: Q 36 KB, the
 //             same ring, two 4 KB P^T buffers. One CTA per SM.
 //   test      backend_ops --device cuda --filter mla (float64 reference, poisoned outputs);
@@ -139,7 +145,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_consta
   if (threadIdx.x < 128) {
     produce<T>(p, w, smem, bars, n_tiles);
     // The consumers' two cluster barriers (cluster_merge.cuh).
-    if (is_swap_ab(T::consumer) && p.split_cluster > 1) cluster_merge_barriers();
+    if (T::kClusterMerge && p.split_cluster > 1) cluster_merge_barriers();
   } else if constexpr (T::consumer == Consumer::kSplitS) {
     consume_split_s<T>(p, w, smem, bars, n_tiles);
   } else if constexpr (T::consumer == Consumer::kSeesaw) {

@@ -6,15 +6,15 @@ namespace pagedattn::cuda::mla {
 
 const std::vector<MlaKernel>& mla_kernels() {
   static const std::vector<MlaKernel> table = {
-#define PAGEDATTN_MLA_INSTANCE(act, kv, c)                       \
-  {DType::act,                                                   \
-   KVKind::kv,                                                   \
-   Consumer::c,                                                  \
-   Traits<DType::act, KVKind::kv, Consumer::c>::kOutCols,        \
-   Traits<DType::act, KVKind::kv, Consumer::c>::kBlockM,         \
-   is_swap_ab(Consumer::c),                                      \
-   &MlaOps<Traits<DType::act, KVKind::kv, Consumer::c>>::launch, \
-   &MlaOps<Traits<DType::act, KVKind::kv, Consumer::c>>::ctas_per_sm},
+#define PAGEDATTN_MLA_INSTANCE(act, kv, c, cols)                       \
+  {DType::act,                                                         \
+   KVKind::kv,                                                         \
+   Consumer::c,                                                        \
+   cols,                                                               \
+   Traits<DType::act, KVKind::kv, Consumer::c, cols>::kBlockM,         \
+   Traits<DType::act, KVKind::kv, Consumer::c, cols>::kClusterMerge,   \
+   &MlaOps<Traits<DType::act, KVKind::kv, Consumer::c, cols>>::launch, \
+   &MlaOps<Traits<DType::act, KVKind::kv, Consumer::c, cols>>::ctas_per_sm},
 #define PAGEDATTN_MLA_COMBINE_INSTANCE(act)
 #include "cuda/mla/inst/instances.inc"
 #undef PAGEDATTN_MLA_INSTANCE
@@ -25,7 +25,7 @@ const std::vector<MlaKernel>& mla_kernels() {
 
 const std::vector<MlaCombineKernel>& mla_combine_kernels() {
   static const std::vector<MlaCombineKernel> table = {
-#define PAGEDATTN_MLA_INSTANCE(act, kv, c)
+#define PAGEDATTN_MLA_INSTANCE(act, kv, c, cols)
 #define PAGEDATTN_MLA_COMBINE_INSTANCE(act) {DType::act, &MlaCombineOps<DType::act>::launch},
 #include "cuda/mla/inst/instances.inc"
 #undef PAGEDATTN_MLA_INSTANCE
@@ -62,7 +62,7 @@ Consumer default_consumer(KVKind kv, int num_heads) {
   return kv == KVKind::kSame && num_heads > kBlockM ? Consumer::kSeesaw : Consumer::kSplitS;
 }
 
-const MlaKernel* find_mla(DType act, DType cache, int num_heads, Consumer consumer) {
+const MlaKernel* find_mla(DType act, DType cache, int num_heads, Consumer consumer, int out_cols) {
   const bool act16 = act == DType::kF16 || act == DType::kBF16;
   if (!act16) return nullptr;
   KVKind kind;
@@ -74,9 +74,14 @@ const MlaKernel* find_mla(DType act, DType cache, int num_heads, Consumer consum
     return nullptr;
   }
   if (consumer == Consumer::kAuto) consumer = default_consumer(kind, num_heads);
-  for (const MlaKernel& k : mla_kernels())
-    if (k.act == act && k.kv == kind && k.consumer == consumer) return &k;
-  return nullptr;
+  const MlaKernel* best = nullptr;  // the narrowest that holds out_cols
+  for (const MlaKernel& k : mla_kernels()) {
+    if (k.act == act && k.kv == kind && k.consumer == consumer && k.max_out_cols >= out_cols &&
+        (best == nullptr || k.max_out_cols < best->max_out_cols)) {
+      best = &k;
+    }
+  }
+  return best;
 }
 
 const MlaKernel* mla_for_step(const MlaKernel* configured, const MlaKernel* wide,

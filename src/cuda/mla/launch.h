@@ -21,7 +21,7 @@ struct MlaKernel {
   Consumer consumer;  ///< Traits::consumer: how the two consumer warpgroups share a tile
   int max_out_cols;   ///< Traits::kOutCols: the widest output it writes (512 or 576)
   int block_m;        ///< Traits::kBlockM: packed rows per CTA (num_m_tiles = ceil(rows / it))
-  /// Its splits can merge in a cluster (MlaParams::split_cluster; the swap AB consumers).
+  /// Its splits can merge in a cluster (MlaParams::split_cluster; Traits::kClusterMerge).
   bool cluster_merge;
   void (*launch)(const MlaParams& params, cudaStream_t stream);
   /// CTAs one SM holds (for the split planner); prepares the shared memory limit first.
@@ -56,10 +56,12 @@ const char* consumer_name(Consumer c);
 /// K/V read through L2 (16-bit caches, more than kBlockM heads), split-S elsewhere.
 Consumer default_consumer(KVKind kv, int num_heads);
 /// The compiled kernel for activations `act` over a latent cache of `cache` with consumer
-/// division `consumer` (kAuto: default_consumer()), or nullptr (float32 activations, mixed
-/// 16-bit types, e5m2 caches and the seesaw over fp8 are not compiled).
+/// division `consumer` (kAuto: default_consumer()) whose output holds `out_cols` columns, the
+/// narrowest such (split-S has 512- and 576-column instances: the 512 skip P k_pe), or nullptr
+/// (float32 activations, mixed 16-bit types, e5m2 caches, the seesaw over fp8 and 576 columns
+/// from the seesaw or swap AB are not compiled).
 const MlaKernel* find_mla(DType act, DType cache, int num_heads,
-                          Consumer consumer = Consumer::kAuto);
+                          Consumer consumer = Consumer::kAuto, int out_cols = kLatent);
 const MlaCombineKernel* find_mla_combine(DType act);
 
 /// Auto's kernels for steps of few rows a request: swap AB's 16-row and 32-row CTAs (nulls where

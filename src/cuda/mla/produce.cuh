@@ -165,15 +165,16 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
     sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
     PAGEDATTN_MLA_TRACE_PRINT(tr);
   } else {
-    // Raw fp8 rows (576 bytes, 36 chunks) into slot j % kRawSlots in natural order, once the
-    // consumers have read the slot's previous tile out of it (widen.cuh: they widen it).
-    constexpr int kSlots = T::kRawSlots;
+    // Raw fp8 rows (576 bytes, 36 chunks) into slot j % kRing in natural order (its own slot,
+    // or the back half of stage j % kRing: T::kRawInStage), once the consumers are done with the
+    // slot's previous tile (widen.cuh: they widen it; in place, its P V read it).
+    constexpr int kSlots = T::kRing;
     for (int j = 0; j < n_tiles; ++j) {
       const int slot = j % kSlots;
       mbar_wait(bars.empty(slot), ((j / kSlots) & 1) ^ 1);
       const int64_t* table = publish(j, next_off);
       next_off = lookup(j + 1);
-      const uint32_t raw = sm80::smem_addr(smem + lay.raw_offset + slot * lay.raw_bytes) +
+      const uint32_t raw = sm80::smem_addr(smem + lay.raw_offset + slot * lay.raw_stride) +
                            lane_row * kEntry + lane_col * 16;
       copy_rows(table, raw, kLanes * 16, kRowsPerPass * kEntry, std::integral_constant<int, 0>{},
                 std::integral_constant<int, kPer>{});

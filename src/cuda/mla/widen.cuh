@@ -20,28 +20,35 @@
 
 namespace pagedattn::cuda::mla {
 
-/// Tile j's raw fp8 rows (slot j % kRawSlots, [64 keys][576 bytes] natural order) widened into
+/// Tile j's raw fp8 rows (slot j % kRing, [64 keys][576 bytes] natural order) widened into
 /// stage j % kStages's nine swizzled panels by the 256 consumer threads: thread u (0 .. 255) takes
 /// row u / 4, raw chunks u % 4 + 4 k (k < 9; chunk k is in panel k), so warpgroup c writes keys 32
-/// c .. 32 c + 31. The slot is released to the producer (tile j + kRawSlots) as soon as the chunks
-/// are in registers.
+/// c .. 32 c + 31. An own slot is released to the producer (tile j + kRawSlots) as soon as the
+/// chunks are in registers; a raw tile in its stage (T::kRawInStage) is overwritten by the
+/// widened panels once all 256 threads hold their chunks (named barrier `all_bar`), and the
+/// stage is released by its P V.
 /// On entry both warpgroups must be past every read of the stage (tile j - kStages's P V). On
 /// return the rows are ready for the wgmmas of the `bar_threads` threads synced on named barrier
 /// `bar`: 128, one warpgroup, where it reads only its own keys until a later barrier of both
 /// (split-S's S); 256 where both read every key.
 template <class T>
 __device__ __forceinline__ void widen_tile(unsigned char* smem, Barriers<T::kRing, T::kHalves> bars,
-                                           int j, int u, int bar, int bar_threads) {
-  static_assert(T::kv == KVKind::kFp8 && T::kRing == T::kRawSlots);
+                                           int j, int u, int bar, int bar_threads,
+                                           int all_bar = -1) {
+  static_assert(T::kv == KVKind::kFp8 && T::kRing == (T::kRawInStage ? T::kStages : T::kRawSlots));
   constexpr Layout lay = T::layout();
-  const int slot = j % T::kRawSlots, row = u / 4, lane_col = u % 4;
-  mbar_wait(bars.full(slot), uint32_t((j / T::kRawSlots) & 1));
+  const int slot = j % T::kRing, row = u / 4, lane_col = u % 4;
+  mbar_wait(bars.full(slot), uint32_t((j / T::kRing) & 1));
   const unsigned char* const raw =
-      smem + lay.raw_offset + slot * lay.raw_bytes + row * kEntry + lane_col * 16;
+      smem + lay.raw_offset + slot * lay.raw_stride + row * kEntry + lane_col * 16;
   uint4 v[kPanels];
 #pragma unroll
   for (int k = 0; k < kPanels; ++k) v[k] = *reinterpret_cast<const uint4*>(raw + k * 64);
-  ptx::mbarrier_arrive(bars.empty(slot));
+  if constexpr (T::kRawInStage) {
+    sm90::named_barrier_sync(all_bar, 256);  // every raw chunk read before any is overwritten
+  } else {
+    ptx::mbarrier_arrive(bars.empty(slot));
+  }
 
   unsigned char* const stage = smem + lay.stage_offset + (j % T::kStages) * lay.stage_bytes;
 #pragma unroll

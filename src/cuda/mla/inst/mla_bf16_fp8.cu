@@ -2,5 +2,5 @@
 #include "cuda/mla/kernel.cuh"
 
 namespace pagedattn::cuda::mla {
-template struct MlaOps<Traits<DType::kBF16, KVKind::kFp8, Consumer::kRedundant>>;
+template struct MlaOps<Traits<DType::kBF16, KVKind::kFp8, Consumer::kRedundant, kEntry>>;
 }  // namespace pagedattn::cuda::mla

@@ -2,5 +2,5 @@
 #include "cuda/mla/kernel.cuh"
 
 namespace pagedattn::cuda::mla {
-template struct MlaOps<Traits<DType::kBF16, KVKind::kFp8, Consumer::kSplitS>>;
+template struct MlaOps<Traits<DType::kBF16, KVKind::kFp8, Consumer::kSplitS, kEntry>>;
 }  // namespace pagedattn::cuda::mla

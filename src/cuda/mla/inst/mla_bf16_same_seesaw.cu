@@ -2,5 +2,5 @@
 #include "cuda/mla/kernel.cuh"
 
 namespace pagedattn::cuda::mla {
-template struct MlaOps<Traits<DType::kBF16, KVKind::kSame, Consumer::kSeesaw>>;
+template struct MlaOps<Traits<DType::kBF16, KVKind::kSame, Consumer::kSeesaw, kLatent>>;
 }  // namespace pagedattn::cuda::mla

@@ -2,5 +2,5 @@
 #include "cuda/mla/kernel.cuh"
 
 namespace pagedattn::cuda::mla {
-template struct MlaOps<Traits<DType::kF16, KVKind::kFp8, Consumer::kSwapAB>>;
+template struct MlaOps<Traits<DType::kF16, KVKind::kFp8, Consumer::kSwapAB, kLatent>>;
 }  // namespace pagedattn::cuda::mla

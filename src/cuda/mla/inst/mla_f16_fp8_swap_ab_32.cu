@@ -2,5 +2,5 @@
 #include "cuda/mla/kernel.cuh"
 
 namespace pagedattn::cuda::mla {
-template struct MlaOps<Traits<DType::kF16, KVKind::kFp8, Consumer::kSwapAB32>>;
+template struct MlaOps<Traits<DType::kF16, KVKind::kFp8, Consumer::kSwapAB32, kLatent>>;
 }  // namespace pagedattn::cuda::mla

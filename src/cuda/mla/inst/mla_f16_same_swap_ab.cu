@@ -2,5 +2,5 @@
 #include "cuda/mla/kernel.cuh"
 
 namespace pagedattn::cuda::mla {
-template struct MlaOps<Traits<DType::kF16, KVKind::kSame, Consumer::kSwapAB>>;
+template struct MlaOps<Traits<DType::kF16, KVKind::kSame, Consumer::kSwapAB, kLatent>>;
 }  // namespace pagedattn::cuda::mla
