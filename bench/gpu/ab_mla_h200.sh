@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A change to the MLA decode kernel, checked and timed in one device call: for every build
-# given, backend_ops --filter mla (the default route, two and five forced splits, cp.async
+# given, backend_ops --filter mla (the default route, two, five and seven forced splits, cp.async
 # copies, the forced redundant, seesaw, split-S and both swap ABs, the splits merged by the
 # combine kernel; the float64
 # reference with poisoned outputs) and compute-sanitizer memcheck, then bench_mla on the points
@@ -51,7 +51,9 @@ for spec in "$@"; do
   # The forced consumers too: auto gives the seesaw only the 128-head cases and swap AB only
   # steps of <= 16 / 32 rows a request (split-S the rest); the seesaw and swap AB refuse
   # 576-column outputs (reported unsupported, not failed).
+  # Seven splits: the largest cluster merge area (config.h merge_bytes: 135 KB at 64 rows).
   for run in "default" "splits2 PAGEDATTN_CUDA_SPLITS=2" "splits5 PAGEDATTN_CUDA_SPLITS=5" \
+    "splits7 PAGEDATTN_CUDA_SPLITS=7" \
     "cp.async PAGEDATTN_CUDA_MLA_COPY=cp.async" "redundant PAGEDATTN_CUDA_MLA=redundant" \
     "seesaw PAGEDATTN_CUDA_MLA=seesaw" "split-s PAGEDATTN_CUDA_MLA=split-s" \
     "swap-ab PAGEDATTN_CUDA_MLA=swap-ab" "swap-ab-32 PAGEDATTN_CUDA_MLA=swap-ab-32" \
