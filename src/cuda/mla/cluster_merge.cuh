@@ -135,17 +135,15 @@ __device__ __forceinline__ void merge_rows_in_cluster(const MlaParams& p, const 
   cm.arrive_done();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float total = l[h];
-    total += __shfl_xor_sync(0xffffffffu, total, 1);
-    total += __shfl_xor_sync(0xffffffffu, total, 2);
+    const RowEnd end = row_end(m[h], quad_sum(l[h]), p.v_scale);
     const int row = row_a + 8 * h;
     if (row >= w.num_rows) continue;
-    const float factor = total > 0.0f ? p.v_scale / total : 0.0f;
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      cm.send2(row, 256 * cw + 8 * i + 2 * t4, o[i][2 * h] * factor, o[i][2 * h + 1] * factor);
+      cm.send2(row, 256 * cw + 8 * i + 2 * t4, o[i][2 * h] * end.factor,
+               o[i][2 * h + 1] * end.factor);
     }
-    if (cw == 0 && t4 == 0) cm.send_lse(row, total > 0.0f ? m[h] + log2f(total) : -INFINITY);
+    if (cw == 0 && t4 == 0) cm.send_lse(row, end.lse2);
   }
   cm.template merge_store<T::act>(p, w, cw * 128 + ct);
 }

@@ -302,8 +302,8 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
       const int t = w.q_begin + pr / p.num_heads, head = pr % p.num_heads;
       const float total = kSplitRows ? pick(l, l_o, i, c0) : l[2 * i + c0];
       // The row's maximum where this warpgroup's softmax holds it (all its LSE writer needs).
-      const float lse2 = total > 0.0f ? m[2 * (i & 1) + c0] + log2f(total) : -INFINITY;
-      const float factor = total > 0.0f ? p.v_scale / total : 0.0f;
+      const RowEnd end = row_end(m[2 * (i & 1) + c0], total, p.v_scale);
+      const float lse2 = end.lse2, factor = end.factor;
       // One thread per row writes its LSE: warp 0's quad lane of the warpgroup whose softmax
       // holds the row (16 rows: warpgroup 0).
       const bool lse_writer = warp == 0 && g == 0 && (kSplitRows ? (i >> 1) == cw : cw == 0);

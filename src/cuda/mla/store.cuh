@@ -9,6 +9,22 @@
 
 namespace pagedattn::cuda::mla {
 
+// A row's sum over its quad (the four threads t4 that hold its columns), on every lane.
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+
+// A finished row's LSE (log2 units; -inf without keys) and the factor that normalises its O
+// (v_scale folded in; 0 without keys), from its maximum m and its whole sum.
+struct RowEnd {
+  float lse2, factor;
+};
+__device__ __forceinline__ RowEnd row_end(float m, float total, float v_scale) {
+  return total > 0.0f ? RowEnd{m + log2f(total), v_scale / total} : RowEnd{-INFINITY, 0.0f};
+}
+
 // A row's natural-log LSE into the caller's [num_heads, num_tokens] tensor (float or double);
 // lse2 is in log2 units.
 __device__ __forceinline__ void store_lse(const MlaParams& p, int head, int t, float lse2) {
@@ -35,15 +51,12 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w,
   const int pe0 = kPe == 4 ? 512 + 32 * cw : 512;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float total = l[h];
-    total += __shfl_xor_sync(0xffffffffu, total, 1);
-    total += __shfl_xor_sync(0xffffffffu, total, 2);
+    const RowEnd end = row_end(m[h], quad_sum(l[h]), p.v_scale);
     const int row = row_a + 8 * h;
     if (row >= w.num_rows) continue;
     const int pr = w.row0 + row;
     const int t = w.q_begin + pr / p.num_heads, head = pr % p.num_heads;
-    const float lse2 = total > 0.0f ? m[h] + log2f(total) : -INFINITY;
-    const float factor = total > 0.0f ? p.v_scale / total : 0.0f;
+    const float lse2 = end.lse2, factor = end.factor;
     if (p.num_splits > 1) {
       const int64_t at = (int64_t(blockIdx.y) * p.num_actual_tokens + t) * p.num_heads + head;
       float* const dst = p.partial_o + at * kEntry + 2 * t4;
