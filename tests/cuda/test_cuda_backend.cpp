@@ -429,6 +429,87 @@ TEST(CudaBackendHost, MlaKernelPerStep) {
   EXPECT_EQ(mla_for_step(split, split576, {}, 1, 16, 576), split576);
 }
 
+// fp8 swap AB builds its wgmma A fragments from the raw tile (frags_fp8.cuh): the orders it
+// sums in must be permutations that the producer's Q copy, the P^T writer and the epilogue
+// share, and the raw chunk swizzle must keep both fragment loads free of bank conflicts.
+TEST(CudaBackendHost, MlaFp8FragmentOrdersArePermutationsWithoutBankConflicts) {
+  using namespace cuda::mla;
+  std::vector<int> q(64, 0), pc(64, 0), oc(kLatent, 0);
+  for (int col = 0; col < 64; ++col) {
+    ASSERT_GE(q_column(col), 0);
+    ASSERT_LT(q_column(col), 64);
+    ++q[size_t(q_column(col))];
+    // Lane t's 16 columns of a group (one 16-byte chunk of the key) are its fragment k's.
+    EXPECT_EQ((q_column(col) >> 1) & 3, col >> 4) << col;
+  }
+  // The producer's 16-byte chunk m of a Q panel row: columns 16 t + 2 m + {0, 1}, t = 0..3.
+  for (int m = 0; m < 8; ++m) {
+    for (int t = 0; t < 4; ++t) {
+      for (int e = 0; e < 2; ++e) EXPECT_EQ(q_column(16 * t + 2 * m + e), 8 * m + 2 * t + e);
+    }
+  }
+  for (int key = 0; key < kBlockN; ++key) ++pc[size_t(p_column(key))];
+  // O^T's k: lane t4 reads keys 16 kk + 4 j + t4 for its logical k 16 kk + 8 h + 2 t4 + e.
+  for (int kk = 0; kk < 4; ++kk) {
+    for (int t4 = 0; t4 < 4; ++t4) {
+      for (int j = 0; j < 4; ++j) {
+        EXPECT_EQ(p_column(16 * kk + 4 * j + t4), 16 * kk + 8 * (j >> 1) + 2 * t4 + (j & 1));
+      }
+    }
+  }
+  for (int cw = 0; cw < 2; ++cw) {
+    for (int w = 0; w < 4; ++w) {
+      for (int g = 0; g < 8; ++g) {
+        for (int n = 0; n < 4; ++n) {
+          for (int h8 = 0; h8 < 2; ++h8) {
+            const int col = o_column(cw, n, w, g, h8);
+            ASSERT_GE(col, 0);
+            ASSERT_LT(col, kLatent);
+            ++oc[size_t(col)];
+            EXPECT_EQ(col - o_column(cw, 0, w, g, 0), 2 * n + h8);  // a thread's 8 are adjacent
+          }
+        }
+      }
+    }
+  }
+  for (int v : q) EXPECT_EQ(v, 1);
+  for (int v : pc) EXPECT_EQ(v, 1);
+  for (int v : oc) EXPECT_EQ(v, 1);
+  // A raw row's 16-byte chunk q of key r at q ^ raw_chunk_swizzle(r); 4-byte banks.
+  auto bank = [](int key, int byte) {
+    const int chunk = (byte >> 4) ^ raw_chunk_swizzle(key);
+    return ((key * kEntry + chunk * 16 + (byte & 15)) >> 2) & 31;
+  };
+  for (int w = 0; w < 4; ++w) {
+    for (int group = 0; group < kPanels; ++group) {
+      // K loads, 16 bytes a lane, 8 lanes a phase: keys 16 w + g (g = 2 p, 2 p + 1), chunk t4.
+      for (int phase = 0; phase < 4; ++phase) {
+        std::vector<int> used(32, 0);
+        for (int lane = 8 * phase; lane < 8 * phase + 8; ++lane) {
+          const int g = lane >> 2, t4 = lane & 3;
+          for (int b = 0; b < 16; b += 4)
+            ++used[size_t(bank(16 * w + g, 64 * group + 16 * t4 + b))];
+        }
+        for (int u : used) EXPECT_EQ(u, 1) << "K loads, warp " << w << " group " << group;
+      }
+    }
+    for (int cw = 0; cw < 2; ++cw) {
+      // V loads, 8 bytes a lane, 16 lanes a phase: key 16 kk + 4 j + t4, columns 8 at o_column.
+      for (int phase = 0; phase < 2; ++phase) {
+        for (int j = 0; j < 4; ++j) {
+          std::vector<int> used(32, 0);
+          for (int lane = 16 * phase; lane < 16 * phase + 16; ++lane) {
+            const int g = lane >> 2, t4 = lane & 3;
+            const int col = o_column(cw, 0, w, g, 0);
+            for (int b = 0; b < 8; b += 4) ++used[size_t(bank(4 * j + t4, col + b))];
+          }
+          for (int u : used) EXPECT_EQ(u, 1) << "V loads, warpgroup " << cw << " warp " << w;
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaBackendHost, PrefillWalkVisitsEveryWorkTileOnceGroupByGroup) {
   for (int pairs : {1, 5, 8, 37}) {
     for (int q_tiles : {1, 3, 32}) {

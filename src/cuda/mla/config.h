@@ -101,18 +101,53 @@ struct Layout {
 constexpr bool raw_in_stage_for(KVKind kv, Consumer c) {
   return kv == KVKind::kFp8 && c == Consumer::kSplitS;
 }
+/// fp8, swap AB (16 rows): no 16-bit stage at all. The consumers build their wgmma A fragments
+/// (K for S^T, V^T for O^T) from the raw tile in registers (consume_swap_ab.cuh), so the ring is
+/// five raw slots (Q 18 KB + 5 x 36 KB): five tiles in flight instead of one, and no widened
+/// tile written to and read back from shared memory. The raw rows are stored with chunk q of key
+/// r at q ^ (r & 2) (raw_chunk_swizzle): both fragment loads are then free of bank conflicts.
+constexpr bool frags_from_raw_for(KVKind kv, Consumer c) {
+  return kv == KVKind::kFp8 && c == Consumer::kSwapAB;
+}
+/// The XOR applied to a raw fp8 row's 16-byte chunk index (frags_from_raw_for only).
+constexpr int raw_chunk_swizzle(int key) {
+  return key & 2;
+}
+/// frags_fp8.cuh's orders. The logical S^T-fragment position (0..63 inside a 64-column group) of
+/// entry column `col` of that group, where Q's shared copy holds it: column 16 t + 4 ks + 2 h + e
+/// is k step ks's fragment half h, quad lane t, element e.
+constexpr int q_column(int col) {
+  const int t = col >> 4, ks = (col >> 2) & 3, h = (col >> 1) & 1, e = col & 1;
+  return 16 * ks + 8 * h + 2 * t + e;
+}
+/// The logical O^T k position (P^T's column) of the tile's key `key` = 16 kk + 4 j + t.
+constexpr int p_column(int key) {
+  const int kk = key >> 4, j = (key >> 2) & 3, t = key & 3;
+  return 16 * kk + 8 * (j >> 1) + 2 * t + (j & 1);
+}
+/// The latent column of warpgroup `cw`'s O^T accumulator row: m tile n, warp w, lane group g,
+/// half h8 (row 16 w + g + 8 h8 of m tile n).
+constexpr int o_column(int cw, int n, int w, int g, int h8) {
+  return 256 * cw + 64 * w + 8 * g + 2 * n + h8;
+}
 /// 16-bit cache: two 16-bit stages (Q 72 KB + 2 x 72 KB = 216 KB). fp8: split-S the same two
 /// stages with the raw tiles in place (raw_in_stage_for); the redundant consumer one 16-bit
 /// stage and two raw fp8 tiles (72 + 72 + 2 x 36 KB): the raw copies of the next tiles stay in
-/// flight while the consumers widen the current one into the stage. Swap AB's Q is 18 KB, so
-/// over fp8 it has two 16-bit stages and one raw slot (18 + 2 x 72 + 36 KB): the consumers widen
-/// tile j + 1 into the other stage while tile j's P V runs. Swap AB 32's Q is 36 KB: the same
-/// ring fits with its two P^T buffers and no partial-sum exchange (227 KB).
+/// flight while the consumers widen the current one into the stage. Swap AB 32's Q is 36 KB, so
+/// over fp8 it has two 16-bit stages and one raw slot (36 + 2 x 72 + 36 KB, with its two P^T
+/// buffers and no partial-sum exchange: 227 KB): the consumers widen tile j + 1 into the other
+/// stage while tile j's P V runs. Swap AB (16 rows) over fp8: no stage, five raw slots
+/// (frags_from_raw_for).
 constexpr int stages_for(KVKind kv, Consumer c) {
-  return kv == KVKind::kSame || is_swap_ab(c) || raw_in_stage_for(kv, c) ? 2 : 1;
+  return frags_from_raw_for(kv, c)                                         ? 0
+         : kv == KVKind::kSame || is_swap_ab(c) || raw_in_stage_for(kv, c) ? 2
+                                                                           : 1;
 }
 constexpr int raw_slots_for(KVKind kv, Consumer c) {
-  return kv == KVKind::kSame || raw_in_stage_for(kv, c) ? 0 : is_swap_ab(c) ? 1 : 2;
+  return kv == KVKind::kSame || raw_in_stage_for(kv, c) ? 0
+         : frags_from_raw_for(kv, c)                    ? 5
+         : is_swap_ab(c)                                ? 1
+                                                        : 2;
 }
 /// The ring the producer fills and the `full` / `empty` barriers count: the 16-bit stages (also
 /// fp8 in place), or for fp8 the raw slots (the consumers widen a slot into a stage themselves:
@@ -132,6 +167,10 @@ constexpr int halves_for(Consumer c) {
 /// First panel of the seesaw's second half.
 inline constexpr int kHalfPanel = 4;
 
+/// Swap AB's exchange area: [2][128][8] float partial S^T, [2][4 warps][16] row values, then
+/// (fp8 from the raw tile, bf16 activations) [16] Q row scales (frags_fp8.cuh q_to_f16).
+inline constexpr int kSwapRowScale = 2 * 128 * 8 * 4 + 2 * 4 * 16 * 4;
+
 constexpr Layout layout_for(KVKind kv, Consumer c) {
   const bool shares_p = c != Consumer::kRedundant;
   const bool swap = c == Consumer::kSwapAB, swap32 = c == Consumer::kSwapAB32;
@@ -149,7 +188,7 @@ constexpr Layout layout_for(KVKind kv, Consumer c) {
   s.p_offset = stages_end + raw_slots_for(kv, c) * s.raw_bytes;
   s.table_offset = s.p_offset + (shares_p ? (swap32 ? 2 : 1) * block_m_for(c) * 128 : 0);
   s.xchg_offset = s.table_offset + 2 * kBlockN * 8;
-  s.bar_offset = s.xchg_offset + (swap       ? 2 * 128 * 8 * 4 + 2 * 4 * 16 * 4
+  s.bar_offset = s.xchg_offset + (swap       ? kSwapRowScale + 16 * 4
                                   : swap32   ? (2 * 4 * 16 + 2 * 2 * 16 + 2 * 16) * 4
                                   : shares_p ? 2 * kBlockM * 4
                                              : 0);
@@ -176,6 +215,7 @@ struct Traits {
   static constexpr int kStages = stages_for(kKV, kC);
   static constexpr int kRawSlots = raw_slots_for(kKV, kC);
   static constexpr bool kRawInStage = raw_in_stage_for(kKV, kC);
+  static constexpr bool kFragsFromRaw = frags_from_raw_for(kKV, kC);
   static constexpr int kRing = ring_for(kKV, kC);
   static constexpr int kHalves = halves_for(kC);
   static constexpr int kBlockM = block_m_for(kC);

@@ -10,14 +10,18 @@
 //   O^T [512 cols][16 rows] += V^T [512][64 keys] . P^T  (m64n16k16 SS, V^T the stage's panels
 //       read MN-major, P^T one 16-row panel), warpgroup c the columns 256 c .. 256 c + 255;
 // ~170 KB of shared-memory reads per tile. Both warpgroups run the same softmax on the summed
-// S^T (8 scores per thread); each writes half of P^T's rows. Q's 18 KB leave room for two 16-bit
-// stages over an fp8 cache too: the consumers widen tile j + 1 into the other stage while tile
-// j's P V runs ([H100] +9-11% over one stage, 2026-12-06-h100-mla-swap-ab-fp8-stages.txt).
+// S^T (8 scores per thread); each writes half of P^T's rows.
 // With 32 rows (16 heads x 2 tokens, 32 heads x 1; split-S pads them to 64) warpgroup c computes
 // S^T for rows 16 c .. 16 c + 15 over all 36 k steps (the same m64n16k16) and runs its own
 // softmax: no partial sums to exchange (their 16 KB would not fit beside fp8's ring), only each
 // row's rescale goes to the other warpgroup, whose O^T (m64n32k16) holds all 32 rows. P^T has
-// two buffers, so a warpgroup writes tile j's while the other may still read tile j - 1's.
+// two buffers, so a warpgroup writes tile j's while the other may still read tile j - 1's; over
+// fp8 its Q (36 KB) leaves room for two 16-bit stages and one raw slot: the consumers widen tile
+// j + 1 into the other stage while tile j's P V runs.
+// Over fp8 with 16 rows (Traits::kFragsFromRaw) no tile is widened into shared memory: each
+// thread loads its A fragments' bytes from the raw tile and converts them to f16 in registers
+// (wgmma RS; frags_fp8.cuh), so the ring is five raw slots ([H100] +3-11% over two widened
+// stages and one raw slot, 2026-12-06-h100-mla-fp8-frags-from-raw.txt).
 #pragma once
 
 #include <cstdint>
@@ -28,6 +32,7 @@
 #include "cuda/common/dtypes.cuh"
 #include "cuda/mla/cluster_merge.cuh"
 #include "cuda/mla/common.cuh"
+#include "cuda/mla/frags_fp8.cuh"
 #include "cuda/mla/softmax.cuh"
 #include "cuda/mla/store.cuh"
 #include "cuda/mla/widen.cuh"
@@ -43,6 +48,12 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
   static_assert((kRows == 16 || kRows == 32) && T::kOutCols == kLatent);
   constexpr int kStages = T::kStages;
   constexpr bool kFp8 = T::kv == KVKind::kFp8;
+  constexpr bool kRegA = T::kFragsFromRaw;  // A fragments from the raw tile (frags_fp8.cuh)
+  // The products' type: f16 from the raw tile (e4m3 widens to f16 in one instruction, to bf16
+  // in four; frags_fp8.cuh q_to_f16), else the activations'.
+  constexpr DType kMath = kRegA ? DType::kF16 : T::act;
+  constexpr bool kMathBF16 = kMath == DType::kBF16;
+  static_assert(!kRegA || !kSplitRows);
   constexpr bool kBF16 = T::act == DType::kBF16;
   constexpr Layout lay = T::layout();
   constexpr int kBarBoth = 2;    // named barrier of the 256 consumer threads (1: producer)
@@ -117,15 +128,73 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     return (i >> 1) == cw ? v[rr] : other[rr];
   };
 
-  static_assert(kStages == 2, "fp8: tile j + 1 is widened while tile j's P V reads the other");
+  static_assert(kRegA || kStages == 2,
+                "fp8: tile j + 1 is widened while tile j's P V reads the other");
+  // kRegA: tile j's S^T fragments are built under tile j - 1's O^T, issued at the top of
+  // iteration j (every wgmma group is issued and waited for inside one iteration: ptxas
+  // serialises every wgmma of the kernel when a group stays in flight across the loop's back
+  // edge), and its O^T fragments under its S^T.
+  [[maybe_unused]] uint32_t ka[18][4];
+  [[maybe_unused]] uint32_t va[4][4][4];
+  const unsigned char* const raw0 = smem + lay.raw_offset;
+  // Waits for tile j's raw slot and issues its S^T from fragments built there.
+  [[maybe_unused]] auto issue_s_from_raw = [&](int j, float(&st)[2][4]) {
+    const int slot = j % T::kRing;
+    mbar_wait(bars.full(slot), uint32_t((j / T::kRing) & 1));
+    const unsigned char* const tile = raw0 + slot * lay.raw_bytes;
+    if (cw == 0) {
+      k_fragments<kMath, 0>(tile, warp, g, t4, ka);
+    } else {
+      k_fragments<kMath, 2>(tile, warp, g, t4, ka);
+    }
+    sm90::fence_operands(ka);
+    sm90::fence_operands(st);
+    sm90::wgmma_fence();
+    // Q's k step ks: +32 B inside a panel, +q_panel across (a select of two constants per step).
+    constexpr int kQPanel = lay.q_panel;
+    constexpr auto q_off = [](int ks) { return uint32_t((ks >> 2) * kQPanel + (ks & 3) * 32); };
+    const uint64_t dq = sm90::sw128_desc(q_base, 16, 1024);
+#pragma unroll
+    for (int kq = 0; kq < 18; ++kq) {
+      const uint64_t db = sm90::desc_advance(dq, cw ? q_off(18 + kq) : q_off(kq));
+      sm90::Wgmma<16, kMathBF16>::template rs<0>(st, ka[kq], db, kq > 0);
+    }
+    sm90::wgmma_commit();
+  };
   mbar_wait(bars.q_full(), 0);
-  // fp8: both warpgroups read every key of a widened tile (barrier of both). Tile j + 1 is
-  // widened below while tile j's P V runs.
-  if constexpr (kFp8) {
+  // The logit scale of the thread's four S^T rows (Q's rows scaled into f16: divided back here).
+  float fr[4] = {p.scale_log2, p.scale_log2, p.scale_log2, p.scale_log2};
+  if constexpr (kRegA && kMath != T::act) {
+    float* const row_scale = reinterpret_cast<float*>(smem + lay.xchg_offset + kSwapRowScale);
+    q_to_f16(smem + lay.q_offset, cw * 128 + ct, row_scale, kBarBoth);
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr) fr[rr] *= row_scale[row_of(rr)];
+  }
+  // O^T += V^T P^T (kRegA: tile j's is issued at the top of iteration j + 1, or after the loop).
+  [[maybe_unused]] auto issue_o_from_regs = [&](uint32_t pj) {
+    sm90::fence_operands(ot[0]);
+    sm90::fence_operands(ot[1]);
+    sm90::fence_operands(ot[2]);
+    sm90::fence_operands(ot[3]);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t dp = sm90::sw128_desc(pj + kk * 32, 16, 1024);
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        sm90::Wgmma<kRows, kMathBF16>::template rs<0>(ot[n], va[kk][n], dp, 1);
+      }
+    }
+    sm90::wgmma_commit();
+  };
+  float st[2][4];
+  if constexpr (kFp8 && !kRegA) {
+    // fp8: both warpgroups read every key of a widened tile (barrier of both). Tile j + 1 is
+    // widened below while tile j's P V runs.
     if (n_tiles > 0) widen_tile<T>(smem, bars, 0, cw * 128 + ct, kBarBoth, 256);
   }
   for (int j = 0; j < n_tiles; ++j) {
-    const int s = j % kStages;
+    const int s = kRegA ? 0 : j % kStages;
     if constexpr (!kFp8) {
       mbar_wait(bars.full(s), uint32_t((j / kStages) & 1));
       ptx::fence_proxy_async(ptx::space_shared);
@@ -134,23 +203,42 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     // 32 rows: P^T of tile j in buffer j & 1 (the other warpgroup may still read tile j - 1's).
     const uint32_t pj = p_base + (kSplitRows ? (j & 1) * kRows * 128 : 0);
 
-    // S^T: 16 columns are +32 B inside a 64-column panel; 16 rows +2048 B inside a Q panel.
-    float st[2][4];
-    sm90::fence_operands(st);
-    sm90::wgmma_fence();
-    constexpr int kSteps = kSplitRows ? kEntry / 16 : kEntry / 32;
+    if constexpr (kRegA) {
+      // Tile j - 1's O^T (its P^T written last iteration) and tile j's S^T go out together.
+      // After wait<1> that O^T is done: its fragment registers take this tile's V^T, and the
+      // slot's raw bytes are all read.
+      const int slot = j % T::kRing;
+      if (j > 0) issue_o_from_regs(p_base);
+      issue_s_from_raw(j, st);
+      sm90::wgmma_wait<1>();
+      v_fragments<kMath>(raw0 + slot * lay.raw_bytes, cw, warp, g, t4, va);
 #pragma unroll
-    for (int kq = 0; kq < kSteps; ++kq) {
-      const int ks = kSplitRows ? kq : cw * (kEntry / 32) + kq;
-      const uint32_t at = (ks >> 2) * lay.kv_panel + (ks & 3) * 32;
-      const uint64_t da = sm90::sw128_desc(k_base + at, 16, 1024);
-      const uint64_t db = sm90::sw128_desc(
-          q_base + (ks >> 2) * lay.q_panel + row_s0 * 128 + (ks & 3) * 32, 16, 1024);
-      sm90::Wgmma<16, kBF16>::template ss<0>(st, da, db, kq > 0);
+      for (int kk = 0; kk < 4; ++kk) sm90::fence_operands(va[kk]);
+      ptx::mbarrier_arrive(bars.empty(slot));
+    } else {
+      // S^T: 16 columns are +32 B inside a 64-column panel; 16 rows +2048 B inside a Q panel.
+      sm90::fence_operands(st);
+      sm90::wgmma_fence();
+      constexpr int kSteps = kSplitRows ? kEntry / 16 : kEntry / 32;
+#pragma unroll
+      for (int kq = 0; kq < kSteps; ++kq) {
+        const int ks = kSplitRows ? kq : cw * (kEntry / 32) + kq;
+        const uint32_t at = (ks >> 2) * lay.kv_panel + (ks & 3) * 32;
+        const uint64_t da = sm90::sw128_desc(k_base + at, 16, 1024);
+        const uint64_t db = sm90::sw128_desc(
+            q_base + (ks >> 2) * lay.q_panel + row_s0 * 128 + (ks & 3) * 32, 16, 1024);
+        sm90::Wgmma<16, kBF16>::template ss<0>(st, da, db, kq > 0);
+      }
+      sm90::wgmma_commit();
     }
-    sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
     sm90::fence_operands(st);
+    if constexpr (kRegA) {  // O^T of tile j - 1 too
+      sm90::fence_operands(ot[0]);
+      sm90::fence_operands(ot[1]);
+      sm90::fence_operands(ot[2]);
+      sm90::fence_operands(ot[3]);
+    }
     if constexpr (!kSplitRows) {
       // The other warpgroup's partial sums: thread ct of both holds the same (key, row) pairs.
       // Both warpgroups are past tile j - 1's P V here, which read P^T.
@@ -173,7 +261,6 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
         }
       }
     }
-    const float f = p.scale_log2;
     float mx[4];
 #pragma unroll
     for (int rr = 0; rr < 4; ++rr) mx[rr] = fmaxf(st[rr >> 1][rr & 1], st[rr >> 1][2 + (rr & 1)]);
@@ -181,7 +268,7 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     float corr[4], base[4];
 #pragma unroll
     for (int rr = 0; rr < 4; ++rr) {
-      const float m_new = fmaxf(m[rr], mx[rr] * f);
+      const float m_new = fmaxf(m[rr], mx[rr] * fr[rr]);
       base[rr] = m_new == -INFINITY ? 0.0f : m_new;  // no visible key yet: no NaN
       corr[rr] = sm80::exp2_approx(m[rr] - base[rr]);
       m[rr] = m_new;
@@ -191,7 +278,7 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int rr = 2 * i + (c & 1);
-        st[i][c] = sm80::exp2_approx(fmaf(st[i][c], f, -base[rr]));
+        st[i][c] = sm80::exp2_approx(fmaf(st[i][c], fr[rr], -base[rr]));
       }
     }
 #pragma unroll
@@ -216,10 +303,12 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int ri = kSplitRows ? i : cw;  // 16 rows: i = cw, without indexing st by it
-        const int row = row_s0 + 8 * ri + 2 * t4 + (c & 1), key = 16 * warp + g + 8 * (c >> 1);
+        const int row = row_s0 + 8 * ri + 2 * t4 + (c & 1);
+        const int tile_key = 16 * warp + g + 8 * (c >> 1);
+        const int key = kRegA ? p_column(tile_key) : tile_key;  // the position O^T's k reads
         const float v = kSplitRows ? st[i][c] : cw == 0 ? st[0][c] : st[1][c];
         *reinterpret_cast<uint16_t*>(p_tile + sm90::sw128_offset(row, key >> 3) + (key & 7) * 2) =
-            uint16_t(pack2<T::act>(v, 0.0f) & 0xffffu);
+            uint16_t(pack2<kMath>(v, 0.0f) & 0xffffu);
       }
     }
     if constexpr (kSplitRows) {
@@ -246,6 +335,7 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
       }
     }
 
+    if constexpr (kRegA) continue;  // O^T at the next iteration's top
     // O^T += V^T P^T for this warpgroup's four column panels: 16 keys are +2048 B in a panel.
     sm90::fence_operands(ot[0]);
     sm90::fence_operands(ot[1]);
@@ -263,7 +353,7 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
       }
     }
     sm90::wgmma_commit();
-    if constexpr (kFp8) {
+    if constexpr (kFp8 && !kRegA) {
       // The other stage was last read by tile j - 1's P V, which both warpgroups waited for
       // before this tile's barrier of both.
       if (j + 1 < n_tiles) widen_tile<T>(smem, bars, j + 1, cw * 128 + ct, kBarBoth, 256);
@@ -276,6 +366,14 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     if constexpr (!kFp8) ptx::mbarrier_arrive(bars.empty(s));
   }
 
+  if constexpr (kRegA) {  // the last tile's O^T
+    if (n_tiles > 0) issue_o_from_regs(p_base);
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(ot[0]);
+    sm90::fence_operands(ot[1]);
+    sm90::fence_operands(ot[2]);
+    sm90::fence_operands(ot[3]);
+  }
   // Row sums over the warpgroup (16 rows: both hold the same), then the rows out.
   over_warps(l, false);
   // 32 rows: the other warpgroup's row sums (its maxima only its own LSE writers need).
@@ -291,6 +389,11 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
   }
   // split_cluster > 1: the splits merge through the cluster's shared memory (cluster_merge.cuh).
   const ClusterMerge<kRows> cm(p, smem + lay.stage_offset);
+  // The latent column of accumulator ot[n][.][c] with h8 = c >> 1 (frags_fp8.cuh's order for
+  // kRegA).
+  auto col_of = [&](int n, int h8) {
+    return kRegA ? o_column(cw, n, warp, g, h8) : 256 * cw + 64 * n + 16 * warp + g + 8 * h8;
+  };
   if (p.split_cluster > 1) cm.arrive_done();
 #pragma unroll
   for (int i = 0; i < kI; ++i) {
@@ -310,9 +413,8 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
       if (p.split_cluster > 1) {
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
-          const int col = 256 * cw + 64 * n + 16 * warp + g;
-          cm.send(row, col, ot[n][i][c0] * factor);
-          cm.send(row, col + 8, ot[n][i][c0 + 2] * factor);
+          cm.send(row, col_of(n, 0), ot[n][i][c0] * factor);
+          cm.send(row, col_of(n, 1), ot[n][i][c0 + 2] * factor);
         }
         if (lse_writer) cm.send_lse(row, lse2);
         continue;
@@ -322,9 +424,8 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
         float* const dst = p.partial_o + at * kEntry;
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
-          const int col = 256 * cw + 64 * n + 16 * warp + g;
-          dst[col] = ot[n][i][c0] * factor;
-          dst[col + 8] = ot[n][i][c0 + 2] * factor;
+          dst[col_of(n, 0)] = ot[n][i][c0] * factor;
+          dst[col_of(n, 1)] = ot[n][i][c0 + 2] * factor;
         }
         if (lse_writer) p.partial_lse[at] = lse2;
         continue;
@@ -333,9 +434,11 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
                         (int64_t(t) * p.out_stride_token + int64_t(head) * p.out_stride_head) * 2;
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
-        const int col = 256 * cw + 64 * n + 16 * warp + g;
-        if (col < p.out_cols) store_from_float<T::act>(out, col, ot[n][i][c0] * factor);
-        if (col + 8 < p.out_cols) store_from_float<T::act>(out, col + 8, ot[n][i][c0 + 2] * factor);
+#pragma unroll
+        for (int h8 = 0; h8 < 2; ++h8) {
+          const int col = col_of(n, h8);
+          if (col < p.out_cols) store_from_float<T::act>(out, col, ot[n][i][c0 + 2 * h8] * factor);
+        }
       }
       if (lse_writer && p.lse != nullptr) store_lse(p, head, t, lse2);
     }

@@ -23,8 +23,9 @@
 //             caches: the raw tile lands in natural order, which the consumers widen into a
 //             16-bit stage (widen.cuh): split-S's raw tile in the back half of that stage
 //             itself (two stages; tile j + 1 widened while tile j's P V runs), the redundant
-//             consumer's in one of two slots beside its one 16-bit stage, swap AB's in one
-//             slot beside its two.
+//             consumer's in one of two slots beside its one 16-bit stage, swap AB 32's in one
+//             slot beside its two; swap AB's (16 rows) in five slots, chunk q of key r at
+//             q ^ raw_chunk_swizzle(r), read by the consumers straight into their A fragments.
 //   redundant (PAGEDATTN_CUDA_MLA=redundant, kept as a comparison: 1.2-1.4x slower on the
 //             H200) warpgroups 1 and 2 (consumers, 240 registers) both compute the same S (wgmma
 //             SS, m64n64k16, 36 k steps) and softmax, then each accumulates O += P V for its 256 of
@@ -65,8 +66,12 @@
 //             8 c ..), O^T += V^T P^T (m64n16k16 SS with A MN-major: the stage's panels 4 c ..
 //             4 c + 3, warpgroup c's 256 output columns). The 512 latent columns only. No padded
 //             rows: ~170 KB of shared-memory reads per tile against split-S's ~328 KB, a quarter
-//             of the tensor work (consume_swap_ab.cuh). Over fp8 two 16-bit stages and one raw
-//             slot: tile j + 1 is widened while tile j's P V runs.
+//             of the tensor work (consume_swap_ab.cuh). Over fp8 no 16-bit stage: both products
+//             are wgmma RS with f16 A fragments converted from the raw tile in registers (K's
+//             columns and V's keys and columns in frags_fp8.cuh's orders, Q stored in the same
+//             column order, bf16 Q rows scaled into f16 by powers of two), five raw tiles in
+//             flight; tile j's S^T fragments are built under tile j - 1's O^T, its O^T fragments
+//             under its S^T.
 //   swap AB 32 (Consumer::kSwapAB32: auto's kernel for steps of 17-32 packed rows a request,
 //             16 heads x 2 tokens or 32 heads x 1; PAGEDATTN_CUDA_MLA=swap-ab-32) the same with
 //             32-row CTAs, warpgroup c's S^T the rows 16 c .. 16 c + 15 over all 36 k steps and its
@@ -85,8 +90,8 @@
 //             (cp.async, st.shared) wrote.
 //   budget    smem 218 KB (config.h): Q 72 KB + two 16-bit stages of 72 KB (fp8 split-S too,
 //             the raw tiles inside them), or (fp8, redundant) one stage and two raw fp8 tiles of
-//             36 KB; swap AB ~210 KB: Q 18 KB + two stages (+ one raw
-//             slot over fp8) + its exchange buffers; swap AB 32 over fp8 227 KB: Q 36 KB, the
+//             36 KB; swap AB ~210 KB: Q 18 KB + two stages (over fp8 five raw slots)
+//             + its exchange buffers; swap AB 32 over fp8 227 KB: Q 36 KB, the
 //             same ring, two 4 KB P^T buffers. One CTA per SM.
 //   test      backend_ops --device cuda --filter mla (float64 reference, poisoned outputs);
 //             bench/gpu/bench_mla; docs/kernel_notes.md "mla decode".

@@ -36,11 +36,23 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
     if (row < w.num_rows) {
       const int pr = w.row0 + row;
       const int tok = w.q_begin + pr / p.num_heads, head = pr % p.num_heads;
-      src += (int64_t(tok) * p.q_stride_token + int64_t(head) * p.q_stride_head + col * 8) * 2;
+      src += (int64_t(tok) * p.q_stride_token + int64_t(head) * p.q_stride_head) * 2;
       bytes = 16;
     }
-    sm80::cp_async_16(q_smem + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7), src,
-                      bytes, 0);
+    const uint32_t dst = q_smem + (col >> 3) * lay.q_panel + sm90::sw128_offset(row, col & 7);
+    if constexpr (T::kFragsFromRaw) {
+      // The columns in the order of the consumers' K fragments (config.h q_column):
+      // chunk m of 64-column group G holds columns 64 G + 16 t + 2 m + {0, 1},
+      // t = 0..3, four 4-byte pieces.
+      const int m8 = col & 7, group = col >> 3;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const int at = bytes ? (64 * group + 16 * t + 2 * m8) * 2 : 0;  // zeros: read nothing
+        sm80::cp_async_4(dst + 4 * t, src + at, bytes / 4);
+      }
+    } else {
+      sm80::cp_async_16(dst, src + (bytes ? col * 16 : 0), bytes, 0);
+    }
   }
   ptx::cp_async_mbarrier_arrive_noinc(bars.q_full());
 
@@ -174,8 +186,11 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
       mbar_wait(bars.empty(slot), ((j / kSlots) & 1) ^ 1);
       const int64_t* table = publish(j, next_off);
       next_off = lookup(j + 1);
+      // Chunk q of key r lands at q ^ raw_chunk_swizzle(r) where the consumers load fragments
+      // from the raw tile (r's bit 1 is lane_row's: rows step by 32).
+      const int chunk = T::kFragsFromRaw ? lane_col ^ raw_chunk_swizzle(lane_row) : lane_col;
       const uint32_t raw = sm80::smem_addr(smem + lay.raw_offset + slot * lay.raw_stride) +
-                           lane_row * kEntry + lane_col * 16;
+                           lane_row * kEntry + chunk * 16;
       copy_rows(table, raw, kLanes * 16, kRowsPerPass * kEntry, std::integral_constant<int, 0>{},
                 std::integral_constant<int, kPer>{});
       ptx::cp_async_mbarrier_arrive_noinc(bars.full(slot));

@@ -49,6 +49,18 @@ __device__ __forceinline__ void fence_operands(float (&x)[kRows][kCols]) {
   }
 }
 
+/// The same for A fragments built in registers (wgmma RS): all of them computed before this
+/// point, so that none is computed between the wgmmas that read them (ptxas then serialises
+/// every wgmma of the kernel).
+template <int kRows, int kCols>
+__device__ __forceinline__ void fence_operands(uint32_t (&x)[kRows][kCols]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+  }
+}
+
 /// Descriptor of a 128-byte-swizzled operand tile at shared address `addr` (1024-byte aligned
 /// pattern base, so the base-offset field stays 0): rows of 128 bytes, 8-row groups `sbo`
 /// bytes apart (1024), and for MN-major operands `lbo` = the distance between 64-element
