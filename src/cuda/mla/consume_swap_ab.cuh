@@ -20,8 +20,8 @@
 // j + 1 into the other stage while tile j's P V runs.
 // Over fp8 with 16 rows (Traits::kFragsFromRaw) no tile is widened into shared memory: each
 // thread loads its A fragments' bytes from the raw tile and converts them to f16 in registers
-// (wgmma RS; frags_fp8.cuh), so the ring is five raw slots ([H100] +3-11% over two widened
-// stages and one raw slot, 2026-12-06-h100-mla-fp8-frags-from-raw.txt).
+// (wgmma RS; frags_fp8.cuh), so the ring is five raw slots ([H100] +7-15% over two widened
+// stages and one raw slot, 2026-12-06-h100-mla-fp8-frags-from-raw.txt and -cvt-halves.txt).
 #pragma once
 
 #include <cstdint>

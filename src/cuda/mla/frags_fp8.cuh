@@ -32,10 +32,25 @@
 
 namespace pagedattn::cuda::mla {
 
-/// Two e4m3 values (low byte first) as the 16-bit math type's pair.
-template <DType kMath>
+/// The two e4m3 values in half kHalf of `bits` (low byte first) as the 16-bit math type's pair.
+/// f16 reads the half in place (the conversion's operand selects it: no shift).
+template <DType kMath, int kHalf>
 __device__ __forceinline__ uint32_t cvt2(uint32_t bits) {
-  return fp8x2_to_16bit<kMath>(uint16_t(bits & 0xffffu), false);
+  if constexpr (kMath == DType::kF16) {
+    uint32_t d;
+    if constexpr (kHalf == 0) {
+      asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n"
+          : "=r"(d)
+          : "r"(bits));
+    } else {
+      asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}\n"
+          : "=r"(d)
+          : "r"(bits));
+    }
+    return d;
+  } else {
+    return fp8x2_to_16bit<kMath>(uint16_t(kHalf ? bits >> 16 : bits & 0xffffu), false);
+  }
 }
 
 /// S^T's A fragments for this warpgroup's 18 k steps (m64n16k16: a[kq] = keys 16 warp + g and +8,
@@ -59,10 +74,10 @@ __device__ __forceinline__ void k_fragments(const unsigned char* tile, int warp,
     const int idx = kq + kOff, i = idx >> 2, wd = idx & 3;
     const uint32_t x0 = wd == 0 ? k0[i].x : wd == 1 ? k0[i].y : wd == 2 ? k0[i].z : k0[i].w;
     const uint32_t x1 = wd == 0 ? k1[i].x : wd == 1 ? k1[i].y : wd == 2 ? k1[i].z : k1[i].w;
-    a[kq][0] = cvt2<kMath>(x0);        // key r0, logical k 2 t4 + {0, 1}
-    a[kq][1] = cvt2<kMath>(x1);        // key r0 + 8
-    a[kq][2] = cvt2<kMath>(x0 >> 16);  // key r0, logical k 2 t4 + 8 + {0, 1}
-    a[kq][3] = cvt2<kMath>(x1 >> 16);
+    a[kq][0] = cvt2<kMath, 0>(x0);  // key r0, logical k 2 t4 + {0, 1}
+    a[kq][1] = cvt2<kMath, 0>(x1);  // key r0 + 8
+    a[kq][2] = cvt2<kMath, 1>(x0);  // key r0, logical k 2 t4 + 8 + {0, 1}
+    a[kq][3] = cvt2<kMath, 1>(x1);
   }
 }
 
@@ -88,10 +103,10 @@ __device__ __forceinline__ void v_fragments(const unsigned char* tile, int cw, i
       const uint32_t sel = (n & 1) ? 0x7362u : 0x5140u;
       const uint32_t lo = sm80::prmt(n < 2 ? v[0].x : v[0].y, n < 2 ? v[1].x : v[1].y, sel);
       const uint32_t hi = sm80::prmt(n < 2 ? v[2].x : v[2].y, n < 2 ? v[3].x : v[3].y, sel);
-      a[kk][n][0] = cvt2<kMath>(lo);        // column 2 n, keys j = 0, 1
-      a[kk][n][1] = cvt2<kMath>(lo >> 16);  // column 2 n + 1
-      a[kk][n][2] = cvt2<kMath>(hi);        // column 2 n, keys j = 2, 3
-      a[kk][n][3] = cvt2<kMath>(hi >> 16);
+      a[kk][n][0] = cvt2<kMath, 0>(lo);  // column 2 n, keys j = 0, 1
+      a[kk][n][1] = cvt2<kMath, 1>(lo);  // column 2 n + 1
+      a[kk][n][2] = cvt2<kMath, 0>(hi);  // column 2 n, keys j = 2, 3
+      a[kk][n][3] = cvt2<kMath, 1>(hi);
     }
   }
 }
