@@ -170,19 +170,28 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
 #pragma unroll
     for (int rr = 0; rr < 4; ++rr) fr[rr] *= row_scale[row_of(rr)];
   }
-  // O^T += V^T P^T (kRegA: tile j's is issued at the top of iteration j + 1, or after the loop).
-  [[maybe_unused]] auto issue_o_from_regs = [&](uint32_t pj) {
-    sm90::fence_operands(ot[0]);
-    sm90::fence_operands(ot[1]);
-    sm90::fence_operands(ot[2]);
-    sm90::fence_operands(ot[3]);
+  auto fence_ot = [&] {
+#pragma unroll
+    for (int n = 0; n < 4; ++n) sm90::fence_operands(ot[n]);
+  };
+  // O^T += V^T P^T for this warpgroup's four column panels (P^T at pj; 16 keys are +32 B): V^T
+  // from the fragments (kRegA: tile j's is issued at the top of iteration j + 1, or after the
+  // loop) or the stage at k_base (16 keys are +2048 B in a panel).
+  auto issue_o = [&](uint32_t pj, [[maybe_unused]] uint32_t k_base) {
+    fence_ot();
     sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const uint64_t dp = sm90::sw128_desc(pj + kk * 32, 16, 1024);
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
-        sm90::Wgmma<kRows, kMathBF16>::template rs<0>(ot[n], va[kk][n], dp, 1);
+        if constexpr (kRegA) {
+          sm90::Wgmma<kRows, kMathBF16>::template rs<0>(ot[n], va[kk][n], dp, 1);
+        } else {
+          const uint64_t dv = sm90::sw128_desc(k_base + (4 * cw + n) * lay.kv_panel + kk * 2048,
+                                               lay.kv_panel, 1024);
+          sm90::Wgmma<kRows, kBF16>::template ss<0, 1>(ot[n], dv, dp, 1);
+        }
       }
     }
     sm90::wgmma_commit();
@@ -208,7 +217,7 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
       // After wait<1> that O^T is done: its fragment registers take this tile's V^T, and the
       // slot's raw bytes are all read.
       const int slot = j % T::kRing;
-      if (j > 0) issue_o_from_regs(p_base);
+      if (j > 0) issue_o(p_base, 0);
       issue_s_from_raw(j, st);
       sm90::wgmma_wait<1>();
       v_fragments<kMath>(raw0 + slot * lay.raw_bytes, cw, warp, g, t4, va);
@@ -233,12 +242,7 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     }
     sm90::wgmma_wait<0>();
     sm90::fence_operands(st);
-    if constexpr (kRegA) {  // O^T of tile j - 1 too
-      sm90::fence_operands(ot[0]);
-      sm90::fence_operands(ot[1]);
-      sm90::fence_operands(ot[2]);
-      sm90::fence_operands(ot[3]);
-    }
+    if constexpr (kRegA) fence_ot();  // O^T of tile j - 1 too
     if constexpr (!kSplitRows) {
       // The other warpgroup's partial sums: thread ct of both holds the same (key, row) pairs.
       // Both warpgroups are past tile j - 1's P V here, which read P^T.
@@ -336,43 +340,21 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     }
 
     if constexpr (kRegA) continue;  // O^T at the next iteration's top
-    // O^T += V^T P^T for this warpgroup's four column panels: 16 keys are +2048 B in a panel.
-    sm90::fence_operands(ot[0]);
-    sm90::fence_operands(ot[1]);
-    sm90::fence_operands(ot[2]);
-    sm90::fence_operands(ot[3]);
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t dp = sm90::sw128_desc(pj + kk * 32, 16, 1024);
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const uint64_t dv =
-            sm90::sw128_desc(k_base + (4 * cw + n) * lay.kv_panel + kk * 2048, lay.kv_panel, 1024);
-        sm90::Wgmma<kRows, kBF16>::template ss<0, 1>(ot[n], dv, dp, 1);
-      }
-    }
-    sm90::wgmma_commit();
+    issue_o(pj, k_base);
     if constexpr (kFp8 && !kRegA) {
       // The other stage was last read by tile j - 1's P V, which both warpgroups waited for
       // before this tile's barrier of both.
       if (j + 1 < n_tiles) widen_tile<T>(smem, bars, j + 1, cw * 128 + ct, kBarBoth, 256);
     }
     sm90::wgmma_wait<0>();
-    sm90::fence_operands(ot[0]);
-    sm90::fence_operands(ot[1]);
-    sm90::fence_operands(ot[2]);
-    sm90::fence_operands(ot[3]);
+    fence_ot();
     if constexpr (!kFp8) ptx::mbarrier_arrive(bars.empty(s));
   }
 
   if constexpr (kRegA) {  // the last tile's O^T
-    if (n_tiles > 0) issue_o_from_regs(p_base);
+    if (n_tiles > 0) issue_o(p_base, 0);
     sm90::wgmma_wait<0>();
-    sm90::fence_operands(ot[0]);
-    sm90::fence_operands(ot[1]);
-    sm90::fence_operands(ot[2]);
-    sm90::fence_operands(ot[3]);
+    fence_ot();
   }
   // Row sums over the warpgroup (16 rows: both hold the same), then the rows out.
   over_warps(l, false);
