@@ -2,21 +2,22 @@
 // built in registers from the raw fp8 tile, so no tile is widened into shared memory.
 //
 // Why: the widened tile cost 72 KB of shared memory per stage, which left room for one 36 KB raw
-// tile in flight beside Q and two 16-bit stages ([H100] the 16-row fp8 chain ran at 0.57-0.70 of
+// tile in flight beside Q and two 16-bit stages ([H100] the 16-row fp8 chain ran at 0.57-0.72 of
 // the copy rate, ~4500 cycles a tile), plus 72 KB of stores and ~170 KB of wgmma reads a tile.
-// Here the ring is five raw slots and each thread reads 272 bytes of a tile.
+// Here the ring is five raw slots and each thread reads 272 bytes of a tile; the products run in
+// f16 (q_to_f16 below).
 //
 // The fragments reorder what the sums run over, never what they add up:
 //   S^T's k (the 576 entry columns): inside each 64-column group, logical column
 //     16 ks + 8 h + 2 t + e (k step ks, fragment half h, quad lane t, element e) is entry column
 //     16 t + 4 ks + 2 h + e, so lane t's 16 columns of a group are one 16-byte chunk of the key's
-//     row. Q's shared copy is stored in the same order (produce.cuh).
+//     row. Q's shared copy is stored in the same order (produce.cuh, config.h q_column).
 //   O^T's k (the tile's 64 keys): logical key 16 kk + 8 h + 2 t + e is key 16 kk + 4 (2 h + e) + t,
 //     so the four lanes of a quad read four consecutive keys; P^T is written in that order
 //     (p_column).
 //   O^T's m (the 512 latent columns): warpgroup c's logical row 64 n + 16 w + g + 8 h8 of its 256
 //     is column 256 c + 64 w + 8 g + 2 n + h8 (o_column), so a thread's eight columns of every
-//     packed row are adjacent: one 8-byte load per key, one 16-byte store per row.
+//     packed row are adjacent: one 8-byte load per key.
 // Raw rows are 576 bytes with chunk q of key r at q ^ raw_chunk_swizzle(r): the K loads (8 lanes:
 // two keys x four chunks) and the V loads (16 lanes: four keys x two chunks x two halves) each
 // touch 32 distinct banks.
