@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace pagedattn::cuda::sm90 {
 
@@ -39,25 +40,22 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 /// Keeps the compiler from moving reads or writes of `x` across the asynchronous wgmmas that
-/// own it (no instruction is emitted).
-template <int kRows, int kCols>
-__device__ __forceinline__ void fence_operands(float (&x)[kRows][kCols]) {
+/// own it (no instruction is emitted): fp32 accumulators, or A fragments built in registers
+/// (wgmma RS), all of them computed before this point so that none is computed between the
+/// wgmmas that read them (ptxas then serialises every wgmma of the kernel).
+template <class T, int kRows, int kCols>
+__device__ __forceinline__ void fence_operands(T (&x)[kRows][kCols]) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, uint32_t>);
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
 #pragma unroll
-    for (int j = 0; j < kCols; ++j) asm volatile("" : "+f"(x[i][j])::"memory");
-  }
-}
-
-/// The same for A fragments built in registers (wgmma RS): all of them computed before this
-/// point, so that none is computed between the wgmmas that read them (ptxas then serialises
-/// every wgmma of the kernel).
-template <int kRows, int kCols>
-__device__ __forceinline__ void fence_operands(uint32_t (&x)[kRows][kCols]) {
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+    for (int j = 0; j < kCols; ++j) {
+      if constexpr (std::is_same_v<T, float>) {
+        asm volatile("" : "+f"(x[i][j])::"memory");
+      } else {
+        asm volatile("" : "+r"(x[i][j])::"memory");
+      }
+    }
   }
 }
 
