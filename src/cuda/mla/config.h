@@ -20,8 +20,9 @@ enum class KVKind : uint8_t { kSame, kFp8 };
 ///   kSwapAB: CTAs of 16 packed rows, S^T = K Q^T and O^T = V^T P^T (keys and latent columns
 ///     on wgmma's M side, the rows on N = 16: no padded rows), S^T's k steps split between the
 ///     warpgroups, O^T's columns too;
-///   kSwapAB32: the same with CTAs of 32 rows (16 heads x 2 tokens, 32 heads x 1), S^T's rows
-///     split between the warpgroups (16 each, no partial sums to exchange), O^T's columns too;
+///   kSwapAB32: the same with CTAs of 32 rows (16 heads x 2 tokens, 32 heads x 1), each
+///     warpgroup the softmax of 16 of them, S^T's rows split between the warpgroups over a
+///     16-bit cache (no partial sums to exchange), its k steps over fp8; O^T's columns too;
 ///   kAuto: what find_mla() picks for the cache kind and head count (never a Traits parameter).
 enum class Consumer : uint8_t { kAuto, kRedundant, kSplitS, kSeesaw, kSwapAB, kSwapAB32 };
 constexpr bool is_swap_ab(Consumer c) {
@@ -86,10 +87,10 @@ struct Layout {
   int raw_stride = 0;    ///< bytes from one raw tile to the next (raw_bytes, or stage_bytes)
   int table_offset = 0;  ///< [2][64] int64 byte offsets of a tile's rows (producer)
   int p_offset = 0;      ///< split-S, seesaw: P [64 rows][64 keys] 16-bit, one swizzled panel
-                         ///< (swap AB: P^T [16 rows][64 keys]; swap AB 32: [2][32 rows][64 keys])
+                         ///< (swap AB: P^T [16 or 32 rows][64 keys]; 32 over a 16-bit
+                         ///< cache: two such buffers)
   int xchg_offset = 0;   ///< split-S, seesaw: [2 warpgroups][64 rows] float row maxima / sums;
-                         ///< swap AB: [2][128 threads][8] partial S^T, then [2][4 warps][16];
-                         ///< swap AB 32: [2][4 warps][16], then [2][2][16] rescales, [2][16] sums
+                         ///< swap AB: swap_xchg_for()
   int bar_offset = 0;    ///< mbarriers: q_full, full[ring][halves], empty[ring][halves]
   int total = 0;         ///< including 1024 bytes to align the dynamic base
 };
@@ -101,13 +102,20 @@ struct Layout {
 constexpr bool raw_in_stage_for(KVKind kv, Consumer c) {
   return kv == KVKind::kFp8 && c == Consumer::kSplitS;
 }
-/// fp8, swap AB (16 rows): no 16-bit stage at all. The consumers build their wgmma A fragments
-/// (K for S^T, V^T for O^T) from the raw tile in registers (consume_swap_ab.cuh), so the ring is
-/// five raw slots (Q 18 KB + 5 x 36 KB): five tiles in flight instead of one, and no widened
-/// tile written to and read back from shared memory. The raw rows are stored with chunk q of key
-/// r at q ^ (r & 2) (raw_chunk_swizzle): both fragment loads are then free of bank conflicts.
+/// fp8, swap AB (16 and 32 rows): no 16-bit stage at all. The consumers build their wgmma A
+/// fragments (K for S^T, V^T for O^T) from the raw tile in registers (consume_swap_ab.cuh), so
+/// the ring is five raw slots with 16 rows (Q 18 KB + 5 x 36 KB), four with 32 (Q 36 KB + 4 x
+/// 36 KB + 8 KB of partial sums): that many tiles in flight instead of one, and no widened tile
+/// written to and read back from shared memory. The raw rows are stored with chunk q of key r at
+/// q ^ (r & 2) (raw_chunk_swizzle): both fragment loads are then free of bank conflicts.
 constexpr bool frags_from_raw_for(KVKind kv, Consumer c) {
-  return kv == KVKind::kFp8 && c == Consumer::kSwapAB;
+  return kv == KVKind::kFp8 && is_swap_ab(c);
+}
+/// Swap AB splits S^T's 36 k steps between the warpgroups (18 each, partial sums exchanged) with
+/// 16 rows, and with 32 rows over fp8 (72 K-fragment registers a thread, not 144); 32-row CTAs
+/// over a 16-bit cache split S^T's rows instead (16 each, no partial sums).
+constexpr bool swap_split_k_for(KVKind kv, Consumer c) {
+  return c == Consumer::kSwapAB || (c == Consumer::kSwapAB32 && frags_from_raw_for(kv, c));
 }
 /// The XOR applied to a raw fp8 row's 16-byte chunk index (frags_from_raw_for only).
 constexpr int raw_chunk_swizzle(int key) {
@@ -133,11 +141,8 @@ constexpr int o_column(int cw, int n, int w, int g, int h8) {
 /// 16-bit cache: two 16-bit stages (Q 72 KB + 2 x 72 KB = 216 KB). fp8: split-S the same two
 /// stages with the raw tiles in place (raw_in_stage_for); the redundant consumer one 16-bit
 /// stage and two raw fp8 tiles (72 + 72 + 2 x 36 KB): the raw copies of the next tiles stay in
-/// flight while the consumers widen the current one into the stage. Swap AB 32's Q is 36 KB, so
-/// over fp8 it has two 16-bit stages and one raw slot (36 + 2 x 72 + 36 KB, with its two P^T
-/// buffers and no partial-sum exchange: 227 KB): the consumers widen tile j + 1 into the other
-/// stage while tile j's P V runs. Swap AB (16 rows) over fp8: no stage, five raw slots
-/// (frags_from_raw_for).
+/// flight while the consumers widen the current one into the stage. Swap AB over fp8: no stage,
+/// five raw slots (16 rows) or four (32 rows; frags_from_raw_for).
 constexpr int stages_for(KVKind kv, Consumer c) {
   return frags_from_raw_for(kv, c)                                         ? 0
          : kv == KVKind::kSame || is_swap_ab(c) || raw_in_stage_for(kv, c) ? 2
@@ -145,8 +150,7 @@ constexpr int stages_for(KVKind kv, Consumer c) {
 }
 constexpr int raw_slots_for(KVKind kv, Consumer c) {
   return kv == KVKind::kSame || raw_in_stage_for(kv, c) ? 0
-         : frags_from_raw_for(kv, c)                    ? 5
-         : is_swap_ab(c)                                ? 1
+         : frags_from_raw_for(kv, c)                    ? (c == Consumer::kSwapAB ? 5 : 4)
                                                         : 2;
 }
 /// The ring the producer fills and the `full` / `empty` barriers count: the 16-bit stages (also
@@ -167,13 +171,27 @@ constexpr int halves_for(Consumer c) {
 /// First panel of the seesaw's second half.
 inline constexpr int kHalfPanel = 4;
 
-/// Swap AB's exchange area: [2][128][8] float partial S^T, [2][4 warps][16] row values, then
-/// (fp8 from the raw tile, bf16 activations) [16] Q row scales (frags_fp8.cuh q_to_f16).
-inline constexpr int kSwapRowScale = 2 * 128 * 8 * 4 + 2 * 4 * 16 * 4;
+/// Swap AB's exchange area, byte offsets from Layout::xchg_offset: the partial S^T [2][128
+/// threads][8] floats (swap_split_k_for: with 16 rows each thread's 8 sums, with 32 its 8 of the
+/// other warpgroup's rows), the row values [2][4 warps][16], with 32 rows the rescales [2 tiles]
+/// [2][16] and row sums [2][16], then (fp8) the Q row scales [rows] (frags_fp8.cuh q_to_f16).
+struct SwapXchg {
+  int red = 0, cx = 0, ls = 0, row_scale = 0, bytes = 0;
+};
+constexpr SwapXchg swap_xchg_for(KVKind kv, Consumer c) {
+  const bool rows32 = c == Consumer::kSwapAB32;
+  SwapXchg x;
+  x.red = swap_split_k_for(kv, c) ? 2 * 128 * 8 * 4 : 0;
+  x.cx = x.red + 2 * 4 * 16 * 4;
+  x.ls = x.cx + (rows32 ? 2 * 2 * 16 * 4 : 0);
+  x.row_scale = x.ls + (rows32 ? 2 * 16 * 4 : 0);
+  x.bytes = x.row_scale + (frags_from_raw_for(kv, c) ? block_m_for(c) * 4 : 0);
+  return x;
+}
 
 constexpr Layout layout_for(KVKind kv, Consumer c) {
   const bool shares_p = c != Consumer::kRedundant;
-  const bool swap = c == Consumer::kSwapAB, swap32 = c == Consumer::kSwapAB32;
+  const bool swap32 = c == Consumer::kSwapAB32;
   Layout s;
   s.q_panel = block_m_for(c) * 128;
   s.q_offset = 0;
@@ -186,12 +204,13 @@ constexpr Layout layout_for(KVKind kv, Consumer c) {
   s.raw_stride = raw_in_stage_for(kv, c) ? s.stage_bytes : s.raw_bytes;
   // P stays 1024-aligned: 2 raw tiles or 2 stages leave the running offset a multiple of 8 KB.
   s.p_offset = stages_end + raw_slots_for(kv, c) * s.raw_bytes;
-  s.table_offset = s.p_offset + (shares_p ? (swap32 ? 2 : 1) * block_m_for(c) * 128 : 0);
+  // 32 rows over a 16-bit cache: P^T in two buffers (a warpgroup may still read tile j - 1's).
+  const int p_bufs = swap32 && !frags_from_raw_for(kv, c) ? 2 : 1;
+  s.table_offset = s.p_offset + (shares_p ? p_bufs * block_m_for(c) * 128 : 0);
   s.xchg_offset = s.table_offset + 2 * kBlockN * 8;
-  s.bar_offset = s.xchg_offset + (swap       ? kSwapRowScale + 16 * 4
-                                  : swap32   ? (2 * 4 * 16 + 2 * 2 * 16 + 2 * 16) * 4
-                                  : shares_p ? 2 * kBlockM * 4
-                                             : 0);
+  s.bar_offset = s.xchg_offset + (is_swap_ab(c) ? swap_xchg_for(kv, c).bytes
+                                  : shares_p    ? 2 * kBlockM * 4
+                                                : 0);
   s.total = s.bar_offset + (1 + 2 * ring_for(kv, c) * halves_for(c)) * 8 + 1024;
   return s;
 }

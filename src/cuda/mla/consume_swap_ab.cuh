@@ -11,17 +11,18 @@
 //       read MN-major, P^T one 16-row panel), warpgroup c the columns 256 c .. 256 c + 255;
 // ~170 KB of shared-memory reads per tile. Both warpgroups run the same softmax on the summed
 // S^T (8 scores per thread); each writes half of P^T's rows.
-// With 32 rows (16 heads x 2 tokens, 32 heads x 1; split-S pads them to 64) warpgroup c computes
-// S^T for rows 16 c .. 16 c + 15 over all 36 k steps (the same m64n16k16) and runs its own
-// softmax: no partial sums to exchange (their 16 KB would not fit beside fp8's ring), only each
-// row's rescale goes to the other warpgroup, whose O^T (m64n32k16) holds all 32 rows. P^T has
-// two buffers, so a warpgroup writes tile j's while the other may still read tile j - 1's; over
-// fp8 its Q (36 KB) leaves room for two 16-bit stages and one raw slot: the consumers widen tile
-// j + 1 into the other stage while tile j's P V runs.
-// Over fp8 with 16 rows (Traits::kFragsFromRaw) no tile is widened into shared memory: each
-// thread loads its A fragments' bytes from the raw tile and converts them to f16 in registers
-// (wgmma RS; frags_fp8.cuh), so the ring is five raw slots ([H100] +7-15% over two widened
-// stages and one raw slot, 2026-12-06-h100-mla-fp8-frags-from-raw.txt and -cvt-halves.txt).
+// With 32 rows (16 heads x 2 tokens, 32 heads x 1; split-S pads them to 64) over a 16-bit cache,
+// warpgroup c computes S^T for rows 16 c .. 16 c + 15 over all 36 k steps (the same m64n16k16)
+// and runs its own softmax: no partial sums to exchange, only each row's rescale goes to the
+// other warpgroup, whose O^T (m64n32k16) holds all 32 rows. P^T has two buffers, so a warpgroup
+// writes tile j's while the other may still read tile j - 1's.
+// Over fp8 (Traits::kFragsFromRaw) no tile is widened into shared memory: each thread loads its
+// A fragments' bytes from the raw tile and converts them to f16 in registers (wgmma RS;
+// frags_fp8.cuh), so the ring is five raw slots with 16 rows ([H100] +7-15% over two widened
+// stages and one raw slot, 2026-12-06-h100-mla-fp8-frags-from-raw.txt and -cvt-halves.txt) and
+// four with 32. With 32 rows S^T's k steps are then split too (m64n32k16, 18 a warpgroup: its
+// fragments are half of the tile's K, not all of it), each thread sends the 8 partial sums of
+// the other warpgroup's rows, and each warpgroup runs the softmax of its own 16 rows as above.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +36,6 @@
 #include "cuda/mla/frags_fp8.cuh"
 #include "cuda/mla/softmax.cuh"
 #include "cuda/mla/store.cuh"
-#include "cuda/mla/widen.cuh"
 
 namespace pagedattn::cuda::mla {
 
@@ -43,31 +43,38 @@ template <class T>
 __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& w,
                                                 unsigned char* smem,
                                                 Barriers<T::kRing, T::kHalves> bars, int n_tiles) {
-  constexpr int kRows = T::kBlockM;         // the CTA's packed rows: wgmma's N in O^T
-  constexpr bool kSplitRows = kRows == 32;  // S^T by rows (else by k steps)
+  constexpr int kRows = T::kBlockM;      // the CTA's packed rows: wgmma's N in O^T
+  constexpr bool kRows32 = kRows == 32;  // each warpgroup's softmax holds 16 of them
   static_assert((kRows == 16 || kRows == 32) && T::kOutCols == kLatent);
+  // S^T's k steps split between the warpgroups (partial sums exchanged), else its rows.
+  constexpr bool kSplitK = swap_split_k_for(T::kv, T::consumer);
+  constexpr int kSN = kSplitK ? kRows : 16;  // S^T's wgmma N
   constexpr int kStages = T::kStages;
-  constexpr bool kFp8 = T::kv == KVKind::kFp8;
   constexpr bool kRegA = T::kFragsFromRaw;  // A fragments from the raw tile (frags_fp8.cuh)
+  static_assert(kRegA == (T::kv == KVKind::kFp8), "fp8 swap AB builds its fragments from raw");
   // The products' type: f16 from the raw tile (e4m3 widens to f16 in one instruction, to bf16
   // in four; frags_fp8.cuh q_to_f16), else the activations'.
   constexpr DType kMath = kRegA ? DType::kF16 : T::act;
   constexpr bool kMathBF16 = kMath == DType::kBF16;
-  static_assert(!kRegA || !kSplitRows);
   constexpr bool kBF16 = T::act == DType::kBF16;
   constexpr Layout lay = T::layout();
+  constexpr SwapXchg kX = swap_xchg_for(T::kv, T::consumer);
   constexpr int kBarBoth = 2;    // named barrier of the 256 consumer threads (1: producer)
   constexpr int kI = kRows / 8;  // accumulator row groups of O^T (m64n16: 2, m64n32: 4)
   sm90::setmaxnreg_inc<T::kConsumerRegs>();
-  const int cw = int(threadIdx.x) / 128 - 1;  // S^T's k steps or rows; O^T's columns 256 cw ..
+  // S^T's k steps or rows; O^T's columns 256 cw ... Through lane 0 so that ptxas knows it is
+  // warp-uniform and keeps the descriptors it selects in uniform registers (fp8 on an
+  // H100: 16 rows +3-7%, 32 rows +6-12%).
+  const int cw = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128 - 1, 0);
   const int ct = int(threadIdx.x) % 128;
   const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
   const int bar_own = 3 + cw;  // named barrier of this warpgroup
-  // The first of the CTA's rows this warpgroup's S^T and softmax hold (16 rows from there).
-  const int row_s0 = kSplitRows ? 16 * cw : 0;
+  // The first of the CTA's rows this warpgroup's softmax holds (16 rows from there).
+  const int row_s0 = kRows32 ? 16 * cw : 0;
 
-  // This thread's scores st[i][c] (m64n16 accumulator): key 16 warp + g + 8 (c >> 1), row
-  // row_s0 + 8 i + 2 t4 + (c & 1); its four rows are indexed rr = 2 i + (c & 1). O^T's
+  // This thread's scores st[i][c] (the softmax's; an m64n16 accumulator's layout): key 16 warp
+  // + g + 8 (c >> 1), row row_s0 + 8 i + 2 t4 + (c & 1); its four rows are indexed rr = 2 i +
+  // (c & 1). S^T's accumulator sacc[i][c] is the same with N = kSN (32: rows 8 i + ..). O^T's
   // ot[n][i][c]: column 256 cw + 64 n + 16 warp + g + 8 (c >> 1), row 8 i + 2 t4 + (c & 1)
   // (i < kI; with 32 rows, i >> 1 is the warpgroup whose softmax holds the row).
   auto row_of = [&](int rr) { return 8 * (rr >> 1) + 2 * t4 + (rr & 1); };
@@ -87,13 +94,12 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
   // over the warpgroup (16 rows: the CTA) at the end.
   float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, l[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
-  // 16 rows: xs [2][128][2] float4 partial S^T, then red [2][4 warps][16]. 32 rows: red, then
-  // cx [2 tiles][2][16] rescales, then ls [2][16] row sums.
+  // config.h swap_xchg_for: xs [2][128][2] float4 partial S^T (kSplitK), red [2][4 warps][16],
+  // (32 rows) cx [2 tiles][2][16] rescales and ls [2][16] row sums.
   float4* const xs = reinterpret_cast<float4*>(smem + lay.xchg_offset);
-  float* const red =
-      reinterpret_cast<float*>(smem + lay.xchg_offset + (kSplitRows ? 0 : 2 * 128 * 8 * 4));
-  float* const cx = reinterpret_cast<float*>(smem + lay.xchg_offset + 2 * 4 * 16 * 4);
-  float* const ls = cx + 2 * 2 * 16;
+  float* const red = reinterpret_cast<float*>(smem + lay.xchg_offset + kX.red);
+  float* const cx = reinterpret_cast<float*>(smem + lay.xchg_offset + kX.cx);
+  float* const ls = reinterpret_cast<float*>(smem + lay.xchg_offset + kX.ls);
   const uint32_t p_base = sm80::smem_addr(smem + lay.p_offset);  // P^T [kRows rows][64 keys]
   const uint32_t q_base = sm80::smem_addr(smem + lay.q_offset);
   const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
@@ -128,47 +134,60 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     return (i >> 1) == cw ? v[rr] : other[rr];
   };
 
-  static_assert(kRegA || kStages == 2,
-                "fp8: tile j + 1 is widened while tile j's P V reads the other");
+  static_assert(kRegA || kStages == 2, "16-bit: tile j + 1 lands while tile j is read");
   // kRegA: tile j's S^T fragments are built under tile j - 1's O^T, issued at the top of
   // iteration j (every wgmma group is issued and waited for inside one iteration: ptxas
   // serialises every wgmma of the kernel when a group stays in flight across the loop's back
-  // edge), and its O^T fragments under its S^T.
-  [[maybe_unused]] uint32_t ka[18][4];
+  // edge), and its O^T fragments under its S^T. With 32 rows S^T goes out in two halves of 9
+  // k steps, the second half's fragments built under the first's wgmmas: O^T's 64
+  // accumulators leave no room for all 72 K-fragment registers beside V^T's 64.
+  constexpr int kKParts = kRows32 ? 2 : 1;
+  constexpr int kKSteps = 18 / kKParts;
+  [[maybe_unused]] uint32_t ka[kKParts][kKSteps][4];
   [[maybe_unused]] uint32_t va[4][4][4];
   const unsigned char* const raw0 = smem + lay.raw_offset;
-  // Waits for tile j's raw slot and issues its S^T from fragments built there.
-  [[maybe_unused]] auto issue_s_from_raw = [&](int j, float(&st)[2][4]) {
+  [[maybe_unused]] auto wait_raw = [&](int j) {
     const int slot = j % T::kRing;
     mbar_wait(bars.full(slot), uint32_t((j / T::kRing) & 1));
-    const unsigned char* const tile = raw0 + slot * lay.raw_bytes;
+    return raw0 + slot * lay.raw_bytes;
+  };
+  // This warpgroup's S^T fragments of part `part` from the raw tile.
+  [[maybe_unused]] auto build_k = [&]<int kPart>(const unsigned char* tile,
+                                                 std::integral_constant<int, kPart>) {
     if (cw == 0) {
-      k_fragments<kMath, 0>(tile, warp, g, t4, ka);
+      k_fragments<kMath, 0, kPart * kKSteps, kKSteps>(tile, warp, g, t4, ka[kPart]);
     } else {
-      k_fragments<kMath, 2>(tile, warp, g, t4, ka);
+      k_fragments<kMath, 2, kPart * kKSteps, kKSteps>(tile, warp, g, t4, ka[kPart]);
     }
-    sm90::fence_operands(ka);
-    sm90::fence_operands(st);
+  };
+  float sacc[kSN / 8][4];
+  // Issues part `part` of S^T from its fragments: this warpgroup's k steps 18 cw + 9 part ..
+  [[maybe_unused]] auto issue_s_raw = [&]<int kPart>(std::integral_constant<int, kPart>) {
+    sm90::fence_operands(ka[kPart]);
+    sm90::fence_operands(sacc);
     sm90::wgmma_fence();
     // Q's k step ks: +32 B inside a panel, +q_panel across (a select of two constants per step).
     constexpr int kQPanel = lay.q_panel;
     constexpr auto q_off = [](int ks) { return uint32_t((ks >> 2) * kQPanel + (ks & 3) * 32); };
     const uint64_t dq = sm90::sw128_desc(q_base, 16, 1024);
 #pragma unroll
-    for (int kq = 0; kq < 18; ++kq) {
-      const uint64_t db = sm90::desc_advance(dq, cw ? q_off(18 + kq) : q_off(kq));
-      sm90::Wgmma<16, kMathBF16>::template rs<0>(st, ka[kq], db, kq > 0);
+    for (int kq = 0; kq < kKSteps; ++kq) {
+      const int ks = kPart * kKSteps + kq;
+      const uint64_t db = sm90::desc_advance(dq, cw ? q_off(18 + ks) : q_off(ks));
+      sm90::Wgmma<kSN, kMathBF16>::template rs<0>(sacc, ka[kPart][kq], db, ks > 0);
     }
     sm90::wgmma_commit();
   };
+  using Part0 = std::integral_constant<int, 0>;
+  using Part1 = std::integral_constant<int, kKParts - 1>;
   mbar_wait(bars.q_full(), 0);
   // The logit scale of the thread's four S^T rows (Q's rows scaled into f16: divided back here).
   float fr[4] = {p.scale_log2, p.scale_log2, p.scale_log2, p.scale_log2};
   if constexpr (kRegA && kMath != T::act) {
-    float* const row_scale = reinterpret_cast<float*>(smem + lay.xchg_offset + kSwapRowScale);
-    q_to_f16(smem + lay.q_offset, cw * 128 + ct, row_scale, kBarBoth);
+    float* const row_scale = reinterpret_cast<float*>(smem + lay.xchg_offset + kX.row_scale);
+    q_to_f16<kRows>(smem + lay.q_offset, cw * 128 + ct, row_scale, kBarBoth);
 #pragma unroll
-    for (int rr = 0; rr < 4; ++rr) fr[rr] *= row_scale[row_of(rr)];
+    for (int rr = 0; rr < 4; ++rr) fr[rr] *= row_scale[row_s0 + row_of(rr)];
   }
   auto fence_ot = [&] {
 #pragma unroll
@@ -196,63 +215,88 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     }
     sm90::wgmma_commit();
   };
-  float st[2][4];
-  if constexpr (kFp8 && !kRegA) {
-    // fp8: both warpgroups read every key of a widened tile (barrier of both). Tile j + 1 is
-    // widened below while tile j's P V runs.
-    if (n_tiles > 0) widen_tile<T>(smem, bars, 0, cw * 128 + ct, kBarBoth, 256);
-  }
   for (int j = 0; j < n_tiles; ++j) {
     const int s = kRegA ? 0 : j % kStages;
-    if constexpr (!kFp8) {
+    if constexpr (!kRegA) {
       mbar_wait(bars.full(s), uint32_t((j / kStages) & 1));
       ptx::fence_proxy_async(ptx::space_shared);
     }
     const uint32_t k_base = stage0 + s * lay.stage_bytes;
-    // 32 rows: P^T of tile j in buffer j & 1 (the other warpgroup may still read tile j - 1's).
-    const uint32_t pj = p_base + (kSplitRows ? (j & 1) * kRows * 128 : 0);
+    // 32 rows over a 16-bit cache: P^T of tile j in buffer j & 1 (the other warpgroup may still
+    // read tile j - 1's). From the raw tile both are past tile j - 1's O^T at the partial-sum
+    // exchange, before either writes tile j's: one buffer.
+    const int p_buf = kRows32 && !kRegA ? (j & 1) : 0;
+    const uint32_t pj = p_base + p_buf * kRows * 128;
 
     if constexpr (kRegA) {
       // Tile j - 1's O^T (its P^T written last iteration) and tile j's S^T go out together.
-      // After wait<1> that O^T is done: its fragment registers take this tile's V^T, and the
-      // slot's raw bytes are all read.
-      const int slot = j % T::kRing;
+      // After the first wait<1> that O^T is done: its fragment registers take this tile's V^T
+      // once S^T's fragments are all built, and then the slot's raw bytes are all read.
       if (j > 0) issue_o(p_base, 0);
-      issue_s_from_raw(j, st);
+      const unsigned char* const tile = wait_raw(j);
+      build_k(tile, Part0{});
+      issue_s_raw(Part0{});
       sm90::wgmma_wait<1>();
-      v_fragments<kMath>(raw0 + slot * lay.raw_bytes, cw, warp, g, t4, va);
+      if constexpr (kKParts == 2) {
+        build_k(tile, Part1{});
+        issue_s_raw(Part1{});
+        sm90::wgmma_wait<1>();  // the first half: its fragments' registers are free
+      }
+      v_fragments<kMath>(tile, cw, warp, g, t4, va);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) sm90::fence_operands(va[kk]);
-      ptx::mbarrier_arrive(bars.empty(slot));
+      ptx::mbarrier_arrive(bars.empty(j % T::kRing));
     } else {
       // S^T: 16 columns are +32 B inside a 64-column panel; 16 rows +2048 B inside a Q panel.
-      sm90::fence_operands(st);
+      sm90::fence_operands(sacc);
       sm90::wgmma_fence();
-      constexpr int kSteps = kSplitRows ? kEntry / 16 : kEntry / 32;
+      constexpr int kSteps = kSplitK ? kEntry / 32 : kEntry / 16;
 #pragma unroll
       for (int kq = 0; kq < kSteps; ++kq) {
-        const int ks = kSplitRows ? kq : cw * (kEntry / 32) + kq;
+        const int ks = kSplitK ? cw * (kEntry / 32) + kq : kq;
         const uint32_t at = (ks >> 2) * lay.kv_panel + (ks & 3) * 32;
         const uint64_t da = sm90::sw128_desc(k_base + at, 16, 1024);
         const uint64_t db = sm90::sw128_desc(
             q_base + (ks >> 2) * lay.q_panel + row_s0 * 128 + (ks & 3) * 32, 16, 1024);
-        sm90::Wgmma<16, kBF16>::template ss<0>(st, da, db, kq > 0);
+        sm90::Wgmma<kSN, kBF16>::template ss<0>(sacc, da, db, kq > 0);
       }
       sm90::wgmma_commit();
     }
     sm90::wgmma_wait<0>();
-    sm90::fence_operands(st);
+    sm90::fence_operands(sacc);
     if constexpr (kRegA) fence_ot();  // O^T of tile j - 1 too
-    if constexpr (!kSplitRows) {
-      // The other warpgroup's partial sums: thread ct of both holds the same (key, row) pairs.
-      // Both warpgroups are past tile j - 1's P V here, which read P^T.
-      xs[(cw * 128 + ct) * 2] = make_float4(st[0][0], st[0][1], st[0][2], st[0][3]);
-      xs[(cw * 128 + ct) * 2 + 1] = make_float4(st[1][0], st[1][1], st[1][2], st[1][3]);
+    float st[2][4];
+    if constexpr (kSplitK) {
+      // The other warpgroup's partial sums. 16 rows: thread ct of both holds the same (key, row)
+      // pairs, each sends all 8. 32 rows: thread ct of both holds the same keys of all 32 rows
+      // and sends the 8 sums of the other's 16 (sacc[2 (1 - cw) + i]). Both warpgroups are past
+      // tile j - 1's O^T here, which read P^T.
+      float send[2][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          if constexpr (kRows32) {
+            send[i][c] = cw == 0 ? sacc[2 + i][c] : sacc[i][c];
+            st[i][c] = cw == 0 ? sacc[i][c] : sacc[2 + i][c];
+          } else {
+            send[i][c] = st[i][c] = sacc[i][c];
+          }
+        }
+      }
+      xs[(cw * 128 + ct) * 2] = make_float4(send[0][0], send[0][1], send[0][2], send[0][3]);
+      xs[(cw * 128 + ct) * 2 + 1] = make_float4(send[1][0], send[1][1], send[1][2], send[1][3]);
       sm90::named_barrier_sync(kBarBoth, 256);
       const float4 a = xs[((1 - cw) * 128 + ct) * 2], b = xs[((1 - cw) * 128 + ct) * 2 + 1];
-      // a + b in both warpgroups is b + a in the other: the same bits, the same softmax.
+      // 16 rows: a + b in both warpgroups is b + a in the other: the same bits, the same softmax.
       st[0][0] += a.x, st[0][1] += a.y, st[0][2] += a.z, st[0][3] += a.w;
       st[1][0] += b.x, st[1][1] += b.y, st[1][2] += b.z, st[1][3] += b.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) st[i][c] = sacc[i][c];
+      }
     }
 
     const int ts = w.kv_begin + j * kBlockN;
@@ -289,7 +333,7 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     for (int rr = 0; rr < 4; ++rr) {
       l[rr] = l[rr] * corr[rr] + st[rr >> 1][rr & 1] + st[rr >> 1][2 + (rr & 1)];
     }
-    if constexpr (!kSplitRows) {
+    if constexpr (!kRows32) {
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
 #pragma unroll
@@ -301,21 +345,21 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     }
     // P^T: 16 rows, warpgroup cw writes rows 8 cw .. 8 cw + 7 (i = cw) of the same softmax; 32
     // rows, its own 16. Row r's 64 keys are its 128 swizzled bytes.
-    unsigned char* const p_tile = smem + lay.p_offset + (kSplitRows ? (j & 1) * kRows * 128 : 0);
+    unsigned char* const p_tile = smem + lay.p_offset + p_buf * kRows * 128;
 #pragma unroll
-    for (int i = 0; i < (kSplitRows ? 2 : 1); ++i) {
+    for (int i = 0; i < (kRows32 ? 2 : 1); ++i) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int ri = kSplitRows ? i : cw;  // 16 rows: i = cw, without indexing st by it
+        const int ri = kRows32 ? i : cw;  // 16 rows: i = cw, without indexing st by it
         const int row = row_s0 + 8 * ri + 2 * t4 + (c & 1);
         const int tile_key = 16 * warp + g + 8 * (c >> 1);
         const int key = kRegA ? p_column(tile_key) : tile_key;  // the position O^T's k reads
-        const float v = kSplitRows ? st[i][c] : cw == 0 ? st[0][c] : st[1][c];
+        const float v = kRows32 ? st[i][c] : cw == 0 ? st[0][c] : st[1][c];
         *reinterpret_cast<uint16_t*>(p_tile + sm90::sw128_offset(row, key >> 3) + (key & 7) * 2) =
             uint16_t(pack2<kMath>(v, 0.0f) & 0xffffu);
       }
     }
-    if constexpr (kSplitRows) {
+    if constexpr (kRows32) {
       // The rescales of this warpgroup's rows for the other's O^T (buffer j & 1: the other read
       // tile j - 2's before the barrier of tile j - 1, which this warpgroup has passed).
       if (warp == 0 && g == 0) {
@@ -325,7 +369,7 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
     }
     ptx::fence_proxy_async(ptx::space_shared);  // generic stores, read next by wgmma
     sm90::named_barrier_sync(kBarBoth, 256);
-    if constexpr (kSplitRows) {
+    if constexpr (kRows32) {
       float other[4];
 #pragma unroll
       for (int rr = 0; rr < 4; ++rr) other[rr] = cx[((j & 1) * 2 + 1 - cw) * 16 + row_of(rr)];
@@ -341,14 +385,9 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
 
     if constexpr (kRegA) continue;  // O^T at the next iteration's top
     issue_o(pj, k_base);
-    if constexpr (kFp8 && !kRegA) {
-      // The other stage was last read by tile j - 1's P V, which both warpgroups waited for
-      // before this tile's barrier of both.
-      if (j + 1 < n_tiles) widen_tile<T>(smem, bars, j + 1, cw * 128 + ct, kBarBoth, 256);
-    }
     sm90::wgmma_wait<0>();
     fence_ot();
-    if constexpr (!kFp8) ptx::mbarrier_arrive(bars.empty(s));
+    ptx::mbarrier_arrive(bars.empty(s));
   }
 
   if constexpr (kRegA) {  // the last tile's O^T
@@ -360,7 +399,7 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
   over_warps(l, false);
   // 32 rows: the other warpgroup's row sums (its maxima only its own LSE writers need).
   float l_o[4] = {l[0], l[1], l[2], l[3]};
-  if constexpr (kSplitRows) {
+  if constexpr (kRows32) {
     if (warp == 0 && g == 0) {
 #pragma unroll
       for (int rr = 0; rr < 4; ++rr) ls[cw * 16 + row_of(rr)] = l[rr];
@@ -385,13 +424,13 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
       if (row >= w.num_rows) continue;
       const int pr = w.row0 + row;
       const int t = w.q_begin + pr / p.num_heads, head = pr % p.num_heads;
-      const float total = kSplitRows ? pick(l, l_o, i, c0) : l[2 * i + c0];
+      const float total = kRows32 ? pick(l, l_o, i, c0) : l[2 * i + c0];
       // The row's maximum where this warpgroup's softmax holds it (all its LSE writer needs).
       const RowEnd end = row_end(m[2 * (i & 1) + c0], total, p.v_scale);
       const float lse2 = end.lse2, factor = end.factor;
       // One thread per row writes its LSE: warp 0's quad lane of the warpgroup whose softmax
       // holds the row (16 rows: warpgroup 0).
-      const bool lse_writer = warp == 0 && g == 0 && (kSplitRows ? (i >> 1) == cw : cw == 0);
+      const bool lse_writer = warp == 0 && g == 0 && (kRows32 ? (i >> 1) == cw : cw == 0);
       if (p.split_cluster > 1) {
 #pragma unroll
         for (int n = 0; n < 4; ++n) {

@@ -54,25 +54,27 @@ __device__ __forceinline__ uint32_t cvt2(uint32_t bits) {
   }
 }
 
-/// S^T's A fragments for this warpgroup's 18 k steps (m64n16k16: a[kq] = keys 16 warp + g and +8,
-/// steps 18 cw + kq). kOff = 2 cw: warpgroup 1's first step is word 2 of group 4. Each key's five
-/// groups 4 cw .. 4 cw + 4 are five 16-byte loads (half of the shared group unused).
-template <DType kMath, int kOff>
+/// S^T's A fragments for kCount of this warpgroup's 18 k steps from its step kFirst (m64nNk16:
+/// a[kq] = keys 16 warp + g and +8, steps 18 cw + kFirst + kq). kOff = 2 cw: warpgroup 1's first
+/// step is word 2 of group 4. Each key's groups holding the steps are 16-byte loads (all 18 steps:
+/// groups 4 cw .. 4 cw + 4, half of the shared group unused).
+template <DType kMath, int kOff, int kFirst, int kCount>
 __device__ __forceinline__ void k_fragments(const unsigned char* tile, int warp, int g, int t4,
-                                            uint32_t (&a)[18][4]) {
+                                            uint32_t (&a)[kCount][4]) {
   constexpr int kG0 = 2 * kOff;  // 0 or 4
+  constexpr int kI0 = (kFirst + kOff) >> 2, kLoads = ((kFirst + kCount - 1 + kOff) >> 2) - kI0 + 1;
   const int r0 = 16 * warp + g;
   const int chunk = t4 ^ raw_chunk_swizzle(r0);  // r0 + 8 has the same bit 1
-  uint4 k0[5], k1[5];
+  uint4 k0[kLoads], k1[kLoads];
 #pragma unroll
-  for (int i = 0; i < 5; ++i) {
-    const int at = 64 * (kG0 + i) + 16 * chunk;
+  for (int i = 0; i < kLoads; ++i) {
+    const int at = 64 * (kG0 + kI0 + i) + 16 * chunk;
     k0[i] = *reinterpret_cast<const uint4*>(tile + r0 * kEntry + at);
     k1[i] = *reinterpret_cast<const uint4*>(tile + (r0 + 8) * kEntry + at);
   }
 #pragma unroll
-  for (int kq = 0; kq < 18; ++kq) {
-    const int idx = kq + kOff, i = idx >> 2, wd = idx & 3;
+  for (int kq = 0; kq < kCount; ++kq) {
+    const int idx = kFirst + kq + kOff, i = (idx >> 2) - kI0, wd = idx & 3;
     const uint32_t x0 = wd == 0 ? k0[i].x : wd == 1 ? k0[i].y : wd == 2 ? k0[i].z : k0[i].w;
     const uint32_t x1 = wd == 0 ? k1[i].x : wd == 1 ? k1[i].y : wd == 2 ? k1[i].z : k1[i].w;
     a[kq][0] = cvt2<kMath, 0>(x0);  // key r0, logical k 2 t4 + {0, 1}
@@ -114,23 +116,26 @@ __device__ __forceinline__ void v_fragments(const unsigned char* tile, int cw, i
 
 /// bf16 activations over an fp8 cache run the products in f16 (kFp8MathF16): e4m3 widens to f16
 /// in one instruction (to bf16 in four: through f32), the values are exact in both, P in [0, 1]
-/// is finer in f16, and Q's rows are scaled by a power of two into f16's range. Q's 16 rows
-/// ([9 panels][16 rows][128 B], swizzled; the order inside a row does not matter here) are
-/// rewritten in place by the 256 consumer threads u: row u / 16, chunks u % 16 + 16 i. Row r's
-/// largest |q| lands in [2^14, 2^15) and row_scale[r] = the inverse power of two, which the
-/// softmax folds into the logit scale. Ends with the writes fenced for wgmma and the 256 synced
-/// on named barrier `bar`.
+/// is finer in f16, and Q's rows are scaled by a power of two into f16's range. Q's kRows rows
+/// ([9 panels][kRows rows][128 B], swizzled; the order inside a row does not matter here) are
+/// rewritten in place by the 256 consumer threads u: row u / kLanes, chunks u % kLanes + kLanes i.
+/// Row r's largest |q| lands in [2^14, 2^15) and row_scale[r] = the inverse power of two, which
+/// the softmax folds into the logit scale. Ends with the writes fenced for wgmma and the 256
+/// synced on named barrier `bar`.
+template <int kRows>
 __device__ __forceinline__ void q_to_f16(unsigned char* q, int u, float* row_scale, int bar) {
   constexpr int kChunks = kEntry / 8;  // 72 chunks of 8 per row
-  const int row = u >> 4, lane16 = u & 15;
+  constexpr int kLanes = 256 / kRows;  // threads per row: 16 or 8, inside one warp
+  constexpr int kPer = (kChunks + kLanes - 1) / kLanes;
+  const int row = int(unsigned(u) / kLanes), part = int(unsigned(u) % kLanes);
   auto at = [&](int c) {
-    return reinterpret_cast<uint4*>(q + (c >> 3) * (16 * 128) + row * 128 + (c & 7) * 16);
+    return reinterpret_cast<uint4*>(q + (c >> 3) * (kRows * 128) + row * 128 + (c & 7) * 16);
   };
-  uint4 v[5];
+  uint4 v[kPer];
   float most = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 5; ++i) {
-    const int c = lane16 + 16 * i;
+  for (int i = 0; i < kPer; ++i) {
+    const int c = part + kLanes * i;
     v[i] = c < kChunks ? *at(c) : make_uint4(0, 0, 0, 0);
     const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
 #pragma unroll
@@ -141,15 +146,15 @@ __device__ __forceinline__ void q_to_f16(unsigned char* q, int u, float* row_sca
     }
   }
 #pragma unroll
-  for (int x = 1; x < 16; x <<= 1) most = fmaxf(most, __shfl_xor_sync(0xffffffffu, most, x));
+  for (int x = 1; x < kLanes; x <<= 1) most = fmaxf(most, __shfl_xor_sync(0xffffffffu, most, x));
   // most in [2^k, 2^(k + 1)): scale by 2^(14 - k), kept inside float's normal exponents.
   const int k = most > 0.0f ? int((__float_as_uint(most) >> 23) & 0xff) - 127 : 14;
   const int e = min(max(14 - k, -100), 100);
   const float up = __uint_as_float(uint32_t(127 + e) << 23);
-  if (lane16 == 0) row_scale[row] = __uint_as_float(uint32_t(127 - e) << 23);
+  if (part == 0) row_scale[row] = __uint_as_float(uint32_t(127 - e) << 23);
 #pragma unroll
-  for (int i = 0; i < 5; ++i) {
-    const int c = lane16 + 16 * i;
+  for (int i = 0; i < kPer; ++i) {
+    const int c = part + kLanes * i;
     if (c >= kChunks) continue;
     uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
 #pragma unroll

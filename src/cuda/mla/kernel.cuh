@@ -23,9 +23,9 @@
 //             caches: the raw tile lands in natural order, which the consumers widen into a
 //             16-bit stage (widen.cuh): split-S's raw tile in the back half of that stage
 //             itself (two stages; tile j + 1 widened while tile j's P V runs), the redundant
-//             consumer's in one of two slots beside its one 16-bit stage, swap AB 32's in one
-//             slot beside its two; swap AB's (16 rows) in five slots, chunk q of key r at
-//             q ^ raw_chunk_swizzle(r), read by the consumers straight into their A fragments.
+//             consumer's in one of two slots beside its one 16-bit stage; swap AB's in five
+//             slots (16 rows) or four (32), chunk q of key r at q ^ raw_chunk_swizzle(r), read
+//             by the consumers straight into their A fragments.
 //   redundant (PAGEDATTN_CUDA_MLA=redundant, kept as a comparison: 1.2-1.4x slower on the
 //             H200) warpgroups 1 and 2 (consumers, 240 registers) both compute the same S (wgmma
 //             SS, m64n64k16, 36 k steps) and softmax, then each accumulates O += P V for its 256 of
@@ -74,9 +74,12 @@
 //             under its S^T.
 //   swap AB 32 (Consumer::kSwapAB32: auto's kernel for steps of 17-32 packed rows a request,
 //             16 heads x 2 tokens or 32 heads x 1; PAGEDATTN_CUDA_MLA=swap-ab-32) the same with
-//             32-row CTAs, warpgroup c's S^T the rows 16 c .. 16 c + 15 over all 36 k steps and its
-//             own softmax (no partial sums exchanged), each row's rescale passed to the other
-//             warpgroup, whose O^T (m64n32k16) holds all 32 rows; P^T in two buffers.
+//             32-row CTAs, warpgroup c's softmax the rows 16 c .. 16 c + 15, each row's rescale
+//             passed to the other warpgroup, whose O^T (m64n32k16) holds all 32 rows. 16-bit
+//             caches: warpgroup c's S^T those rows over all 36 k steps (no partial sums), P^T in
+//             two buffers; fp8: from the raw tile as above, S^T (m64n32k16) split by k steps,
+//             each thread sending the other warpgroup's rows' 8 partial sums, its fragments
+//             built and issued in two halves (O^T's 64 accumulators leave no room for all 72).
 //   split merge (MlaParams::split_cluster; Traits::kClusterMerge: swap AB and split-S's
 //             512-column instances, at most kMaxClusterSplits splits) the
 //             splits of a (request, M tile) are one cluster: after their last tile the consumers
@@ -91,8 +94,8 @@
 //   budget    smem 218 KB (config.h): Q 72 KB + two 16-bit stages of 72 KB (fp8 split-S too,
 //             the raw tiles inside them), or (fp8, redundant) one stage and two raw fp8 tiles of
 //             36 KB; swap AB ~210 KB: Q 18 KB + two stages (over fp8 five raw slots)
-//             + its exchange buffers; swap AB 32 over fp8 227 KB: Q 36 KB, the
-//             same ring, two 4 KB P^T buffers. One CTA per SM.
+//             + its exchange buffers; swap AB 32 over fp8 195 KB: Q 36 KB, four raw
+//             slots, one 4 KB P^T buffer, 8 KB of partial sums. One CTA per SM.
 //   test      backend_ops --device cuda --filter mla (float64 reference, poisoned outputs);
 //             bench/gpu/bench_mla; docs/kernel_notes.md "mla decode".
 #pragma once

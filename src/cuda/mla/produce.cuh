@@ -1,6 +1,6 @@
 // The MLA decode kernel's producer warpgroup: Q once, then every K tile of the split into the
-// ring (16-bit caches into the stages by TMA boxes or cp.async, fp8 caches raw into two slots that
-// the consumers widen). See kernel.cuh's map.
+// ring (16-bit caches into the stages by TMA boxes or cp.async, fp8 caches raw into the slots
+// that the consumers widen or read their fragments from). See kernel.cuh's map.
 #pragma once
 
 #include <cstdint>
