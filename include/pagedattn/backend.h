@@ -100,6 +100,15 @@ class AttentionImpl {
   virtual void forward(const ForwardArgs& args) = 0;
 };
 
+/// One run-time option of a backend: a kernel variant or a tuning knob (`pagedattn backends`
+/// lists them; Registry::configure sets them).
+struct BackendOptionInfo {
+  std::string name;                  ///< e.g. "prefill"
+  std::string value;                 ///< the current value, spelled as configure accepts it
+  std::vector<std::string> allowed;  ///< accepted values: words, or "an integer in [a, b]"
+  std::string help;                  ///< one line: what it selects and what auto does
+};
+
 /// A family of kernels behind one name. Stateless apart from what it caches per device.
 class Backend {
  public:
@@ -125,6 +134,13 @@ class Backend {
   /// Optional: max |x| over a floating tensor on `device` (for scale calibration).
   /// Default: host tensors only.
   virtual float amax(const TensorView& x) const;
+  /// Optional: the backend's options with their current values. Default: none.
+  virtual std::vector<BackendOptionInfo> options() const;
+  /// Optional: a new backend of the same kind whose options are this one's with `settings`
+  /// ("name=value" each, applied in order) on top. An unknown name or a value outside what the
+  /// option allows throws InvalidArgument naming the option, the value and what is allowed.
+  /// Default: throws InvalidArgument (no options).
+  virtual std::unique_ptr<Backend> configured(const std::vector<std::string>& settings) const;
 };
 
 }  // namespace pagedattn

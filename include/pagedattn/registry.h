@@ -40,8 +40,17 @@ class Registry {
                         std::optional<std::string_view> override_name = std::nullopt,
                         bool use_env = true) const;
 
+  /// Replaces the backend called `backend` (same place in the priority order) with
+  /// Backend::configured(settings): its current options with `settings` ("name=value" each, e.g.
+  /// "prefill=all") applied. Throws InvalidArgument for an unknown backend, option or value,
+  /// leaving the registry unchanged; empty `settings` change nothing. The replaced backend
+  /// stays alive until the registry is destroyed, so layers and impls built from it keep
+  /// working (with its options). Not safe while another thread uses the registry.
+  void configure(std::string_view backend, const std::vector<std::string>& settings);
+
  private:
   std::vector<std::unique_ptr<Backend>> backends_;
+  std::vector<std::unique_ptr<Backend>> replaced_;  // configure()'s old backends, still referenced
 };
 
 /// The process-wide registry holding the built-in backends, in priority order

@@ -16,6 +16,15 @@ std::unique_ptr<Plan> Backend::plan(const AttentionMetadata&, const AttentionCon
   return std::make_unique<Plan>();
 }
 
+std::vector<BackendOptionInfo> Backend::options() const {
+  return {};
+}
+
+std::unique_ptr<Backend> Backend::configured(const std::vector<std::string>& settings) const {
+  fail("backend '", name(), "' has no options; got '", settings.empty() ? "" : settings.front(),
+       "'");
+}
+
 void Backend::merge_states(const MergeArgs&) const {
   fail<NotSupported>("backend '", name(), "' does not implement merge_states");
 }

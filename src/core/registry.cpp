@@ -10,6 +10,14 @@ namespace pagedattn {
 using detail::cat;
 using detail::require;
 
+namespace {
+std::string registered_names(const std::vector<std::unique_ptr<Backend>>& backends) {
+  std::string s;
+  for (const auto& b : backends) s += (s.empty() ? "" : ", ") + std::string(b->name());
+  return s;
+}
+}  // namespace
+
 void Registry::add(std::unique_ptr<Backend> backend) {
   require(backend != nullptr, "Registry::add: null backend");
   require(find(backend->name()) == nullptr, "Registry::add: a backend named '", backend->name(),
@@ -21,6 +29,19 @@ const Backend* Registry::find(std::string_view name) const {
   for (const auto& b : backends_)
     if (b->name() == name) return b.get();
   return nullptr;
+}
+
+void Registry::configure(std::string_view backend, const std::vector<std::string>& settings) {
+  auto it = std::find_if(backends_.begin(), backends_.end(),
+                         [&](const auto& b) { return b->name() == backend; });
+  require(it != backends_.end(), "backend '", backend,
+          "' is not a registered backend; valid backends: ", registered_names(backends_));
+  if (settings.empty()) return;
+  std::unique_ptr<Backend> next = (*it)->configured(settings);
+  require(next != nullptr && next->name() == backend, "backend '", backend,
+          "': configured() returned no backend of that name");
+  replaced_.push_back(std::move(*it));
+  *it = std::move(next);
 }
 
 std::vector<const Backend*> Registry::backends() const {
@@ -63,10 +84,8 @@ const Backend& Registry::select(const BackendQuery& query,
   if (override_name) {
     const Backend* b = find(*override_name);
     if (!b) {
-      std::string valid;
-      for (const auto& x : backends_) valid += (valid.empty() ? "" : ", ") + std::string(x->name());
       detail::fail(env_name.empty() ? "backend" : kBackendEnvVar, " '", *override_name,
-                   "' is not a registered backend; valid backends: ", valid);
+                   "' is not a registered backend; valid backends: ", registered_names(backends_));
     }
     const auto reasons = b->check(query);
     if (!reasons.empty()) {
