@@ -218,111 +218,145 @@ TEST(CudaBackendHost, QueryMapTakesWholeBoxesOfAlignedRows) {
   refused(TensorView::contiguous(base, DType::kF32, {1000, 32, 128}), 128, 4, "16-bit");
 }
 
-TEST(CudaBackendHost, PrefillSwitchesFromTheEnvironment) {
-  struct Var {
-    const char* name;
-    std::string saved;
-    bool had;
-  };
-  Var vars[] = {{cuda::kPersistentEnvVar, "", false},
-                {cuda::kPingpongEnvVar, "", false},
-                {cuda::kPairGroupEnvVar, "", false},
-                {cuda::kPrefillWalkEnvVar, "", false}};
-  for (Var& v : vars) {
-    if (const char* s = std::getenv(v.name)) v.saved = s, v.had = true;
-    unsetenv(v.name);
-  }
-  EXPECT_EQ(cuda::backend_options_from_env().prefill_persistent, cuda::kPrefillPersistent);
-  EXPECT_EQ(cuda::backend_options_from_env().pingpong_min_tiles, cuda::kPingpongMinTiles);
-  const std::pair<const char*, int> persistent[] = {
-      {"on", std::numeric_limits<int>::max()}, {"off", 0}, {"1", 1}, {"264", 264}};
-  for (const auto& [text, want] : persistent) {
-    setenv(cuda::kPersistentEnvVar, text, 1);
-    EXPECT_EQ(cuda::backend_options_from_env().prefill_persistent, want) << text;
-  }
-  for (const char* bad : {"0", "-2", "yes", "4x"}) {
-    setenv(cuda::kPersistentEnvVar, bad, 1);
-    EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, cuda::kPersistentEnvVar);
-  }
-  unsetenv(cuda::kPersistentEnvVar);
-  setenv(cuda::kPingpongEnvVar, "off", 1);
-  EXPECT_EQ(cuda::backend_options_from_env().pingpong_min_tiles, std::numeric_limits<int>::max());
-  setenv(cuda::kPingpongEnvVar, "0", 1);
-  EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, cuda::kPingpongEnvVar);
-  unsetenv(cuda::kPingpongEnvVar);
-  EXPECT_EQ(cuda::backend_options_from_env().prefill_pair_group, 0);  // auto
-  const std::pair<const char*, int> group[] = {
-      {"auto", 0}, {"all", std::numeric_limits<int>::max()}, {"1", 1}, {"48", 48}};
-  for (const auto& [text, want] : group) {
-    setenv(cuda::kPairGroupEnvVar, text, 1);
-    EXPECT_EQ(cuda::backend_options_from_env().prefill_pair_group, want) << text;
-  }
-  for (const char* bad : {"0", "-1", "some", "3 "}) {
-    setenv(cuda::kPairGroupEnvVar, bad, 1);
-    EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, cuda::kPairGroupEnvVar);
-  }
-  unsetenv(cuda::kPairGroupEnvVar);
-  EXPECT_TRUE(cuda::backend_options_from_env().prefill_dynamic);
-  setenv(cuda::kPrefillWalkEnvVar, "static", 1);
-  EXPECT_FALSE(cuda::backend_options_from_env().prefill_dynamic);
-  setenv(cuda::kPrefillWalkEnvVar, "dynamic", 1);
-  EXPECT_TRUE(cuda::backend_options_from_env().prefill_dynamic);
-  setenv(cuda::kPrefillWalkEnvVar, "snake", 1);
-  EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, cuda::kPrefillWalkEnvVar);
-  for (const Var& v : vars) {
-    if (v.had) {
-      setenv(v.name, v.saved.c_str(), 1);
-    } else {
-      unsetenv(v.name);
+// Options by name (Registry::configure's parser): every word and integer each one takes, the
+// values spelled back as they were set, and errors that name the option, the value and what is
+// allowed, leaving the options unchanged.
+TEST(CudaBackendHost, OptionsByName) {
+  const cuda::BackendOptions d;
+  EXPECT_EQ(d.prefill_persistent, cuda::kPrefillPersistent);
+  EXPECT_EQ(d.prefill_pair_group, 0);
+  EXPECT_TRUE(d.prefill_dynamic);
+  EXPECT_TRUE(d.prefill_tma);
+  const std::vector<BackendOptionInfo> infos = cuda::describe_options(d);
+  for (size_t n = 0; n < infos.size(); ++n) {
+    const BackendOptionInfo& i = infos[n];
+    EXPECT_EQ(i.value, i.name == "checked" ? "off" : "auto") << i.name;
+    EXPECT_FALSE(i.help.empty()) << i.name;
+    // Each word it lists is accepted and spells back as itself.
+    for (const std::string& a : i.allowed) {
+      if (a.rfind("an integer", 0) == 0) continue;
+      EXPECT_EQ(cuda::describe_options(cuda::apply_settings(d, {i.name + "=" + a}))[n].value, a)
+          << i.name;
     }
   }
+  auto with = [&](std::vector<std::string> settings) { return cuda::apply_settings(d, settings); };
+  const int max = std::numeric_limits<int>::max();
+  EXPECT_EQ(with({"prefill_persistent=1"}).prefill_persistent, 1);
+  EXPECT_EQ(with({"prefill_persistent=264"}).prefill_persistent, 264);
+  EXPECT_EQ(with({"prefill_persistent=1", "prefill_persistent=auto"}).prefill_persistent, max);
+  EXPECT_EQ(with({"prefill_pair_group=3"}).prefill_pair_group, 3);
+  EXPECT_EQ(with({"prefill_pair_group=auto"}).prefill_pair_group, 0);
+  EXPECT_FALSE(with({"prefill_walk=static"}).prefill_dynamic);
+  EXPECT_FALSE(with({"prefill_copy=cp.async"}).prefill_tma);
+  EXPECT_EQ(with({"prefill=all"}).prefill, cuda::PrefillRoute::kAll);
+  EXPECT_EQ(with({"prefill=off"}).prefill, cuda::PrefillRoute::kOff);
+  EXPECT_TRUE(with({"prefill_kernel=portable"}).portable_prefill);
+  EXPECT_EQ(with({"decode_copy=bulk"}).decode_copy, cuda::DecodeCopy::kBulk);
+  EXPECT_EQ(with({"decode_copy=cp.async"}).decode_copy, cuda::DecodeCopy::kCpAsync);
+  EXPECT_EQ(with({"mla_copy=cp.async"}).mla_copy, cuda::MlaCopy::kCpAsync);
+  EXPECT_TRUE(with({"checked=on"}).checked);
+  EXPECT_EQ(with({"splits=64"}).num_splits, 64);
+  EXPECT_EQ(with({"splits=5", "splits=auto"}).num_splits, 0);
+  const cuda::BackendOptions two = with({"prefill=all", "prefill_persistent=2"});
+  EXPECT_EQ(two.prefill, cuda::PrefillRoute::kAll);
+  EXPECT_EQ(two.prefill_persistent, 2);
+  // Bad values: the option, the value and what it allows.
+  EXPECT_ERROR(with({"prefill_persistent=0"}), InvalidArgument,
+               "cuda backend option 'prefill_persistent': '0' is not auto or an integer >= 1");
+  for (const char* bad : {"-2", "yes", "4x", " 3", "off", ""}) {
+    EXPECT_ERROR(with({std::string("prefill_persistent=") + bad}), InvalidArgument,
+                 std::string("'prefill_persistent': '") + bad + "'");
+  }
+  EXPECT_ERROR(with({"splits=65"}), InvalidArgument,
+               "'splits': '65' is not auto or an integer in [1, 64]");
+  EXPECT_ERROR(with({"prefill_pair_group=all"}), InvalidArgument, "'prefill_pair_group': 'all'");
+  EXPECT_ERROR(with({"prefill_walk=dynamic"}), InvalidArgument,
+               "'prefill_walk': 'dynamic' is not auto or static");
+  EXPECT_ERROR(with({"prefill=All"}), InvalidArgument, "'prefill': 'All' is not auto, off or all");
+  // Unknown names list the options; a setting without '=' is named.
+  EXPECT_ERROR(with({"pingpong_min_tiles=2"}), InvalidArgument,
+               "cuda backend has no option 'pingpong_min_tiles'; its options: checked, splits,");
+  EXPECT_ERROR(with({"prefill"}), InvalidArgument, "'prefill' is not a setting of the form");
+  EXPECT_ERROR(with({"=all"}), InvalidArgument, "'=all' is not a setting of the form");
 }
 
-// The MLA route: the variable's spellings, and what auto means per cache kind and head count
+// The registered backend replaced through Registry::configure: the new options are what it
+// lists, a bad setting changes nothing, and the old backend stays usable.
+TEST(CudaBackendHost, RegistryConfigure) {
+  Registry r;
+  r.add(cuda::make_backend(cuda::BackendOptions{}));
+  r.add(ref::make_backend());
+  const Backend* before = r.find("cuda");
+  r.configure("cuda", {"prefill=all", "prefill_persistent=1"});
+  const Backend* after = r.find("cuda");
+  ASSERT_NE(after, nullptr);
+  EXPECT_NE(after, before);
+  EXPECT_EQ(r.backends().front(), after);  // the same place in the priority order
+  auto value = [](const Backend& b, std::string_view name) {
+    for (const BackendOptionInfo& i : b.options()) {
+      if (i.name == name) return i.value;
+    }
+    return std::string("?");
+  };
+  EXPECT_EQ(value(*after, "prefill"), "all");
+  EXPECT_EQ(value(*after, "prefill_persistent"), "1");
+  EXPECT_EQ(value(*before, "prefill"), "auto");  // still alive, still its own options
+  // Settings apply over the current ones.
+  r.configure("cuda", {"prefill_persistent=auto"});
+  EXPECT_EQ(value(*r.find("cuda"), "prefill"), "all");
+  EXPECT_EQ(value(*r.find("cuda"), "prefill_persistent"), "auto");
+  const Backend* kept = r.find("cuda");
+  EXPECT_ERROR(r.configure("cuda", {"prefill=auto", "mla_consumer=redundant"}), InvalidArgument,
+               "'mla_consumer': 'redundant' is not auto, split-s, seesaw, swap-ab or swap-ab-32");
+  EXPECT_EQ(r.find("cuda"), kept);
+  EXPECT_EQ(value(*kept, "prefill"), "all");
+  EXPECT_ERROR(r.configure("ref", {"x=1"}), InvalidArgument, "backend 'ref' has no options");
+  EXPECT_ERROR(r.configure("tpu", {"x=1"}), InvalidArgument, "'tpu' is not a registered backend");
+}
+
+// The environment holds only the split count and checked mode.
+TEST(CudaBackendHost, SplitsFromTheEnvironment) {
+  const char* name = cuda::kSplitsEnvVar;
+  const char* was = std::getenv(name);
+  const std::string saved = was ? was : "";
+  setenv(name, "7", 1);
+  EXPECT_EQ(cuda::backend_options_from_env().num_splits, 7);
+  setenv(name, "0", 1);
+  EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument,
+               "PAGEDATTN_CUDA_SPLITS: cuda backend option 'splits': '0' is not auto or an "
+               "integer in [1, 64]");
+  unsetenv(name);
+  EXPECT_EQ(cuda::backend_options_from_env().num_splits, 0);
+  if (was) setenv(name, saved.c_str(), 1);
+}
+
+// The MLA route: the option's spellings, and what auto means per cache kind and head count
 // (the seesaw where a request's rows span two M tiles on a 16-bit cache, split-S elsewhere; no
 // seesaw over fp8, which has one 16-bit stage).
-TEST(CudaBackendHost, MlaRouteFromTheEnvironmentAndTheHeadCount) {
-  const char* name = cuda::kMlaEnvVar;
-  std::string saved;
-  const bool had = std::getenv(name) != nullptr;
-  if (had) saved = std::getenv(name);
-  unsetenv(name);
+TEST(CudaBackendHost, MlaRouteByOptionAndHeadCount) {
   using cuda::mla::Consumer;
-  EXPECT_EQ(cuda::backend_options_from_env().mla_consumer, Consumer::kAuto);
-  const std::pair<const char*, Consumer> spellings[] = {
-      {"auto", Consumer::kAuto},      {"redundant", Consumer::kRedundant},
-      {"split-s", Consumer::kSplitS}, {"seesaw", Consumer::kSeesaw},
-      {"swap-ab", Consumer::kSwapAB}, {"swap-ab-32", Consumer::kSwapAB32}};
+  const cuda::BackendOptions d;
+  EXPECT_EQ(d.mla_consumer, Consumer::kAuto);
+  const std::pair<const char*, Consumer> spellings[] = {{"auto", Consumer::kAuto},
+                                                        {"split-s", Consumer::kSplitS},
+                                                        {"seesaw", Consumer::kSeesaw},
+                                                        {"swap-ab", Consumer::kSwapAB},
+                                                        {"swap-ab-32", Consumer::kSwapAB32}};
   for (const auto& [text, want] : spellings) {
-    setenv(name, text, 1);
-    EXPECT_EQ(cuda::backend_options_from_env().mla_consumer, want) << text;
+    EXPECT_EQ(cuda::apply_settings(d, {std::string("mla_consumer=") + text}).mla_consumer, want)
+        << text;
     EXPECT_STREQ(cuda::mla::consumer_name(want), text);
   }
-  for (const char* bad : {"split_s", "Seesaw", "fast"}) {
-    setenv(name, bad, 1);
-    EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, name);
+  for (const char* bad : {"split_s", "Seesaw", "fast", "redundant"}) {
+    EXPECT_ERROR(cuda::apply_settings(d, {std::string("mla_consumer=") + bad}), InvalidArgument,
+                 "'mla_consumer'");
   }
-  unsetenv(name);
-  // How the splits merge: a cluster by default, the combine kernel on request.
-  EXPECT_TRUE(cuda::backend_options_from_env().mla_cluster_merge);
-  setenv(cuda::kMlaMergeEnvVar, "kernel", 1);
-  EXPECT_FALSE(cuda::backend_options_from_env().mla_cluster_merge);
-  setenv(cuda::kMlaMergeEnvVar, "auto", 1);
-  EXPECT_TRUE(cuda::backend_options_from_env().mla_cluster_merge);
-  setenv(cuda::kMlaMergeEnvVar, "cluster!", 1);
-  EXPECT_ERROR(cuda::backend_options_from_env(), InvalidArgument, cuda::kMlaMergeEnvVar);
-  unsetenv(cuda::kMlaMergeEnvVar);
   // The columns each CTA of an s-CTA cluster owns cover the 512 latent columns in multiples of 4.
   for (int s = 2; s <= cuda::mla::kMaxClusterSplits; ++s) {
     const int cpc = cuda::mla::merge_cols(s);
     EXPECT_EQ(cpc % 4, 0) << s;
     EXPECT_GE(s * cpc, cuda::mla::kLatent) << s;
     EXPECT_LT((s - 1) * cpc, cuda::mla::kLatent) << s;  // every CTA owns some
-  }
-  if (had) {
-    setenv(name, saved.c_str(), 1);
-  } else {
-    unsetenv(name);
   }
 
   for (DType act : {DType::kBF16, DType::kF16}) {

@@ -12,9 +12,9 @@ namespace {
 void require_not_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   PAGEDATTN_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-  require(status == cudaStreamCaptureStatusNone, "checked mode (", "PAGEDATTN_CHECKED",
-          ") copies metadata to the host and cannot run "
-          "inside CUDA graph capture; capture with checked mode off");
+  require(status == cudaStreamCaptureStatusNone,
+          "checked mode (PAGEDATTN_CHECKED, or the cuda option checked=on) copies metadata to "
+          "the host and cannot run inside CUDA graph capture; capture with checked mode off");
 }
 
 Tensor host_copy(const TensorView& v) {

@@ -6,9 +6,7 @@
 
 #include <algorithm>
 #include <array>
-#include <climits>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -37,110 +35,6 @@ using detail::require;
 
 namespace {
 
-// An environment variable holding a count >= 1 or one of `words` (each standing for a value);
-// `unset` when it is unset or empty.
-int count_env(const char* name, std::initializer_list<std::pair<std::string_view, int>> words,
-              int unset) {
-  const char* s = std::getenv(name);
-  if (s == nullptr || *s == '\0') return unset;
-  const std::string v(s);
-  std::string allowed;
-  for (const auto& [word, value] : words) {
-    if (v == word) return value;
-    allowed += (allowed.empty() ? "" : ", ") + std::string(word);
-  }
-  char* end = nullptr;
-  const long n = std::strtol(s, &end, 10);
-  require(end && *end == '\0' && n >= 1 && n <= INT_MAX, name, " ('", v, "') must be ", allowed,
-          " or an integer >= 1");
-  return int(n);
-}
-
-}  // namespace
-
-BackendOptions backend_options_from_env() {
-  BackendOptions o;
-  if (const char* s = std::getenv(kCheckedEnvVar); s && *s) o.checked = std::string(s) != "0";
-  if (const char* s = std::getenv(kSplitsEnvVar); s && *s) {
-    char* end = nullptr;
-    const long n = std::strtol(s, &end, 10);
-    require(end && *end == '\0' && n >= 1 && n <= decode::kMaxSplits, kSplitsEnvVar, " ('", s,
-            "') must be an integer in [1, ", decode::kMaxSplits, "]");
-    o.num_splits = int(n);
-  }
-  if (const char* s = std::getenv(kPrefillEnvVar); s && *s) {
-    const std::string v(s);
-    require(v == "auto" || v == "off" || v == "all", kPrefillEnvVar, " ('", v,
-            "') must be auto, off or all");
-    o.prefill = v == "off"   ? PrefillRoute::kOff
-                : v == "all" ? PrefillRoute::kAll
-                             : PrefillRoute::kAuto;
-  }
-  if (const char* s = std::getenv(kPrefillKernelEnvVar); s && *s) {
-    const std::string v(s);
-    require(v == "auto" || v == "portable", kPrefillKernelEnvVar, " ('", v,
-            "') must be auto or portable");
-    o.portable_prefill = v == "portable";
-  }
-  if (const char* s = std::getenv(kDecodeCopyEnvVar); s && *s) {
-    const std::string v(s);
-    require(v == "auto" || v == "bulk" || v == "cp.async", kDecodeCopyEnvVar, " ('", v,
-            "') must be auto, bulk or cp.async");
-    o.decode_copy = v == "bulk"       ? DecodeCopy::kBulk
-                    : v == "cp.async" ? DecodeCopy::kCpAsync
-                                      : DecodeCopy::kAuto;
-  }
-  if (const char* s = std::getenv(kMlaEnvVar); s && *s) {
-    const std::string v(s);
-    require(v == "auto" || v == "redundant" || v == "split-s" || v == "seesaw" || v == "swap-ab" ||
-                v == "swap-ab-32",
-            kMlaEnvVar, " ('", v,
-            "') must be auto, redundant, split-s, seesaw, swap-ab or swap-ab-32");
-    o.mla_consumer = v == "redundant"    ? mla::Consumer::kRedundant
-                     : v == "split-s"    ? mla::Consumer::kSplitS
-                     : v == "seesaw"     ? mla::Consumer::kSeesaw
-                     : v == "swap-ab"    ? mla::Consumer::kSwapAB
-                     : v == "swap-ab-32" ? mla::Consumer::kSwapAB32
-                                         : mla::Consumer::kAuto;
-  }
-  if (const char* s = std::getenv(kMlaCopyEnvVar); s && *s) {
-    const std::string v(s);
-    require(v == "auto" || v == "tma" || v == "cp.async", kMlaCopyEnvVar, " ('", v,
-            "') must be auto, tma or cp.async");
-    o.mla_copy = v == "tma" ? MlaCopy::kTma : v == "cp.async" ? MlaCopy::kCpAsync : MlaCopy::kAuto;
-  }
-  if (const char* s = std::getenv(kMlaMergeEnvVar); s && *s) {
-    const std::string v(s);
-    require(v == "auto" || v == "kernel", kMlaMergeEnvVar, " ('", v, "') must be auto or kernel");
-    o.mla_cluster_merge = v == "auto";
-  }
-  if (const char* s = std::getenv(kPrefillCopyEnvVar); s && *s) {
-    const std::string v(s);
-    require(v == "cp.async" || v == "tma", kPrefillCopyEnvVar, " ('", v,
-            "') must be cp.async or tma");
-    o.prefill_tma = v == "tma";
-  }
-  o.pingpong_min_tiles = count_env(kPingpongEnvVar, {{"off", INT_MAX}}, o.pingpong_min_tiles);
-  o.prefill_persistent =
-      count_env(kPersistentEnvVar, {{"on", INT_MAX}, {"off", 0}}, o.prefill_persistent);
-  o.prefill_pair_group =
-      count_env(kPairGroupEnvVar, {{"auto", 0}, {"all", INT_MAX}}, o.prefill_pair_group);
-  if (const char* s = std::getenv(kPrefillWalkEnvVar); s && *s) {
-    const std::string v(s);
-    require(v == "dynamic" || v == "static", kPrefillWalkEnvVar, " ('", v,
-            "') must be dynamic or static");
-    o.prefill_dynamic = v == "dynamic";
-  }
-  if (const char* s = std::getenv(kFp8MathEnvVar); s && *s) {
-    const std::string v(s);
-    require(v == "on" || v == "off", kFp8MathEnvVar, " ('", v, "') must be on or off");
-    o.fp8_math = v == "on";
-  }
-  return o;
-}
-
-namespace {
-
 std::string join_ints(const std::vector<int>& v) {
   std::string s;
   for (int x : v) s += (s.empty() ? "" : ", ") + std::to_string(x);
@@ -159,6 +53,10 @@ class CudaBackend final : public Backend {
   std::string_view description() const override {
     return "NVIDIA Hopper (sm_90a): paged decode with split-KV, prefill, MLA latent decode "
            "(head size 576), write_kv, merge_states, merge_ranks, amax";
+  }
+  std::vector<BackendOptionInfo> options() const override { return describe_options(options_); }
+  std::unique_ptr<Backend> configured(const std::vector<std::string>& settings) const override {
+    return make_backend(apply_settings(options_, settings));
   }
 
   std::vector<std::string> check(const BackendQuery& q) const override {
@@ -258,7 +156,7 @@ class CudaBackend final : public Backend {
               ? nullptr
               : prefill::find_prefill(config.dtype, cache, config.head_size,
                                       device_props(device).cc_major, options_.portable_prefill,
-                                      config.query_quant && options_.fp8_math);
+                                      config.query_quant);
       const int route = pk == nullptr                            ? -1
                         : options_.prefill == PrefillRoute::kAll ? 0
                                                                  : prefill::kDecodeMaxRows;

@@ -4,158 +4,105 @@
 
 #include <climits>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "cuda/mla/config.h"
 #include "pagedattn/backend.h"
 
 namespace pagedattn::cuda {
 
-/// Environment variable that turns checked mode on for the registered backend ("1").
+/// Environment variable that turns checked mode on for the registered backend (any value but
+/// "0"; the option `checked`).
 inline constexpr const char* kCheckedEnvVar = "PAGEDATTN_CHECKED";
-/// Environment variable that forces the KV split count of every step (1..64; tests, benchmarks).
+/// Environment variable holding the registered backend's KV split count (the option `splits`:
+/// auto or 1..64), the one tuning knob a user sets through the environment.
 inline constexpr const char* kSplitsEnvVar = "PAGEDATTN_CUDA_SPLITS";
-/// Environment variable that routes rows between the decode and prefill kernels:
-/// auto (default), off (the decode kernel takes every row), all (the prefill kernel does).
-inline constexpr const char* kPrefillEnvVar = "PAGEDATTN_CUDA_PREFILL";
-/// Environment variable that picks the prefill kernel: auto (default: the Hopper kernel on
-/// sm_90 where compiled) or portable (the mma.sync kernel everywhere; tests, comparisons).
-inline constexpr const char* kPrefillKernelEnvVar = "PAGEDATTN_CUDA_PREFILL_KERNEL";
-/// Environment variable that picks how the decode kernel copies K/V rows into shared memory:
-/// auto (default: bulk for rows of >= kBulkMinRowBytes on sm_90, else cp.async), bulk (sm_90:
-/// one cp.async.bulk per row, completion on an mbarrier) or cp.async (16-byte copies by every
-/// lane); tests and comparisons run all.
-inline constexpr const char* kDecodeCopyEnvVar = "PAGEDATTN_CUDA_DECODE_COPY";
-/// Environment variable that picks the MLA kernel variant (head size 576): auto (default:
-/// mla::default_consumer(), per cache kind and head count, and swap-ab / swap-ab-32 for steps
-/// whose requests have at most 16 / 32 packed rows), split-s (S split between the consumer
-/// warpgroups, P shared through smem; 1.2-1.4x faster on the H200 than redundant), redundant
-/// (both warpgroups compute the whole S; kept as a comparison), seesaw (each warpgroup owns
-/// alternate tiles and half of O; 16-bit caches only), swap-ab (16-row CTAs with the products
-/// transposed; the 512 latent columns only) or swap-ab-32 (the same with 32-row CTAs).
-inline constexpr const char* kMlaEnvVar = "PAGEDATTN_CUDA_MLA";
-/// Environment variable for how the MLA kernel brings the full tiles of a 16-bit latent cache:
-/// auto (TMA when the block size is a multiple of 64: one box per panel; measured on the H200
-/// as fast as cp.async there, and 6% slower at block size 16, where a tile takes 36 boxes from
-/// one thread), tma (also at block sizes that are multiples of 16) or cp.async (row gathers).
-inline constexpr const char* kMlaCopyEnvVar = "PAGEDATTN_CUDA_MLA_COPY";
-/// Environment variable for how an MLA step's KV splits merge: auto (default: inside one
-/// thread-block cluster through distributed shared memory where the kernel does it, swap AB's,
-/// and the splits are at most mla::kMaxClusterSplits; else float partials and the combine
-/// kernel) or kernel (always the partials and the combine: comparisons).
-inline constexpr const char* kMlaMergeEnvVar = "PAGEDATTN_CUDA_MLA_MERGE";
-/// Environment variable for layers with query_quant over an e4m3 cache: on (default: the Hopper
-/// prefill kernel runs QK^T and P V as fp8 wgmma where compiled) or off (the 16-bit kernel
-/// reads the quantised query; comparisons).
-inline constexpr const char* kFp8MathEnvVar = "PAGEDATTN_CUDA_FP8_MATH";
-/// Environment variable for how the Hopper prefill kernel brings full K/V tiles of a 16-bit
-/// cache (head sizes that are multiples of 64): tma (default: one box per block and panel when a
-/// block holds a power of two >= 8 rows, and for the key/value tensors of encoder types) or
-/// cp.async (row gathers by the producer's K and V halves). Measured on the H200 at block size
-/// 16 with the producer split [bench/results/2026-12-04-h200-pingpong-cee695b.txt]: cp.async
-/// 0.72-0.93x TMA (d128 0.79-0.84x, d256 0.81-0.84x, d64 0.91-0.93x, chunked 0.72-0.75x).
-/// The same switch takes Q's tiles (over a 16-bit cache) by TMA or by cp.async
-/// [bench/results/2026-12-04-h200-qtma.txt: TMA d128 1k +16%, 4k +6%, d256 4k +6%].
-inline constexpr const char* kPrefillCopyEnvVar = "PAGEDATTN_CUDA_PREFILL_COPY";
-/// Environment variable for the Hopper prefill kernel's pingpong between its consumer
-/// warpgroups: a CTA with at least this many K/V tiles takes turns (an integer >= 1), or off.
-inline constexpr const char* kPingpongEnvVar = "PAGEDATTN_CUDA_PINGPONG_MIN_TILES";
-/// The default of kPingpongEnvVar: every CTA. Measured [H200, same binary and call,
-/// bench/results/2026-12-04-h200-pingpong-cee695b.txt] against thresholds of 32 / 64 / 128 tiles
-/// and off (all within 1% of each other): d128 1k-4k +3%, d64 4k +7%, ViT d64 +7-9%, chunked
-/// q1024 over 8k +4%, elsewhere -1 to +2%.
-inline constexpr int kPingpongMinTiles = 1;
-/// Environment variable for the Hopper prefill kernel's grid: on (as many CTAs as are resident,
-/// each walking several work tiles and loading the next one's Q and K while it stores the
-/// current one's rows), an integer N >= 1 (at most N CTAs: tests walk every work tile of a
-/// launch through one CTA with 1) or off (one CTA per work tile). Default: kPrefillPersistent.
-inline constexpr const char* kPersistentEnvVar = "PAGEDATTN_CUDA_PREFILL_PERSISTENT";
-/// The default of kPersistentEnvVar: on (INT_MAX CTAs, i.e. as many as are resident). Measured
-/// [H200, same binary and call, bench/results/2026-12-04-h200-persistent.txt] against one CTA per
-/// work tile: causal d128 1k +13%, 4k +3%; d64 1k +30%, 4k +9%, 16k +3%; ViT +14-27%; fp8
-/// products at 4k +7-14%; chunked prefill equal; d256 16k -3% (its Q is not double-buffered).
+
+/// The persistent prefill grid's default (prefill_persistent=auto): as many CTAs as are
+/// resident, each walking several work tiles and loading the next one's Q and K while it stores
+/// the current one's rows; faster than one CTA per work tile on every measured shape but d256
+/// at 16k tokens (its Q is not double-buffered).
 inline constexpr int kPrefillPersistent = INT_MAX;
-/// Environment variable for the order in which the prefill kernels walk their work tiles: the
-/// (request, KV head) pairs in groups of N (an integer >= 1), the q tiles longest first within
-/// a group, so that the CTAs running at once read one group's K/V and find it in L2; all (one
-/// group: every pair's q tile of one length, then the next length); or auto (the default: as
-/// many pairs as fit kPrefillL2Share of the L2 at max_seq_len keys, at least
-/// kPrefillMinPairGroup). Measured [H200, same binary and call,
-/// bench/results/2026-12-04-h200-epilogue.txt] against all: causal d128 1k +8%, 2k +4%, 4k +2%,
-/// d256 4k +2%, ViT s1025 +4-6%, elsewhere within 1%; without the floor (one to three pairs
-/// per group at 16k) d128 16k -2% and d256 16k -10%, and a group of 8 at d128 1k -12%: the
-/// static snake balances a group of few rounds of work tiles badly (docs/kernel_notes.md).
-inline constexpr const char* kPairGroupEnvVar = "PAGEDATTN_CUDA_PREFILL_PAIR_GROUP";
-/// Environment variable for how a persistent Hopper prefill grid hands out its work tiles:
-/// dynamic (the default: each CTA takes the next one by an atomic counter the layer owns, as soon
-/// as its producer is free, in launches whose K/V tiles come by TMA and whose work tiles mostly
-/// have rows; the others keep the snake) or static (the snake: CTA b takes number b of even
-/// rounds of gridDim.x and number gridDim.x - 1 - b of odd ones, fixed before the launch).
-/// Measured [H200, same binary and call, bench/results/2026-12-04-h200-dynamic-d908f9c.txt,
-/// call 7] against the snake with its groups: causal d128 1k +3%, 4k +3%, 16k 0%; d64 1k +6%;
-/// d256 4k +8%, 16k +4%; ViT d64 +5-6%.
-inline constexpr const char* kPrefillWalkEnvVar = "PAGEDATTN_CUDA_PREFILL_WALK";
-/// The share of the L2 the auto pair group's K/V may take (static walk).
+/// The share of the L2 the auto pair group's K/V may take (static walk): the CTAs running at
+/// once read one group's K/V and find it in L2 (2-8% faster than one group of every pair on
+/// causal rows of 1k-4k tokens).
 inline constexpr double kPrefillL2Share = 0.5;
-/// The fewest pairs per auto group (static walk).
+/// The fewest pairs per auto group (static walk): the snake balances a group of few rounds of
+/// work tiles badly (one to three pairs per group at 16k tokens lost 2-10%).
 inline constexpr int kPrefillMinPairGroup = 8;
-/// The same under the dynamic walk, which balances small groups: groups of 4 against auto's
-/// (0.5, 8) gained 1-3% at d128 1k-16k and d256 4k-16k [H200, call 2 of
-/// bench/results/2026-12-04-h200-dynamic-d908f9c.txt].
+/// The same under the dynamic walk, which balances small groups: groups of 4 gained 1-3% over
+/// the static walk's (0.5, 8) at d128 and d256.
 inline constexpr double kPrefillL2ShareDynamic = 1.0 / 16.0;
 inline constexpr int kPrefillMinPairGroupDynamic = 4;
 
-/// How the MLA kernel copies full tiles (kMlaCopyEnvVar).
-enum class MlaCopy : uint8_t { kAuto, kTma, kCpAsync };
-/// Shortest K/V row (head_size x cache element bytes) the auto choice copies in bulk. Measured
-/// [H200, docs/kernel_notes.md v6]: 256-byte rows (bf16 d128) read 2-3% faster in bulk at
-/// batch >= 64, 128-byte rows (fp8 d128, bf16 d64) 15-25% slower.
+/// How the MLA kernel copies the full tiles of a 16-bit latent cache: auto (TMA, one box per
+/// panel, at block sizes that are multiples of 64; cp.async row gathers elsewhere, where a tile
+/// would take many small boxes from one thread) or cp.async (always).
+enum class MlaCopy : uint8_t { kAuto, kCpAsync };
+/// Shortest K/V row (head_size x cache element bytes) the auto choice copies in bulk: 256-byte
+/// rows (bf16 d128) read a few percent faster in bulk at large batches, 128-byte rows (fp8 d128,
+/// bf16 d64) 15-25% slower.
 inline constexpr int kBulkMinRowBytes = 256;
 
-enum class DecodeCopy { kAuto, kBulk, kCpAsync };
+/// How the decode kernel brings K/V rows into shared memory: auto (bulk for rows of >=
+/// kBulkMinRowBytes on sm_90, else cp.async), bulk (one cp.async.bulk per row, completion on an
+/// mbarrier) or cp.async (16-byte copies by every lane). Forcing one runs it on every shape.
+enum class DecodeCopy : uint8_t { kAuto, kBulk, kCpAsync };
 
 /// Which kernel takes which request's rows.
-enum class PrefillRoute {
+enum class PrefillRoute : uint8_t {
   kAuto,  ///< requests with more than prefill::kDecodeMaxRows packed rows: the prefill kernel
-  kOff,   ///< the decode kernel only (it q-tiles long queries correctly, slowly)
+  kOff,   ///< the decode kernel only (its q-tiled path, which auto runs where no prefill kernel
+          ///< is compiled: float32; a comparison)
   kAll,   ///< the prefill kernel only, where one is compiled (tests: every shape through it)
 };
 
+/// The cuda backend's options: the kernel variants and the two tuning knobs. Users set them by
+/// name through Registry::configure ("prefill=all"; cuda_options.cpp holds the names, values
+/// and their parser), tools through --cuda-option; every default is the measured-fastest choice
+/// (auto), the other values are test or comparison routes to code paths auto also takes.
 struct BackendOptions {
   /// Checked mode: before each launch, copy the step's device metadata (query_start_loc,
   /// seq_lens, block_table, slot_mapping) to the host, synchronising the stream, and run
   /// validate_metadata on it; write_kv checks every slot. Slow and not capturable in a graph.
-  /// Off (the default), the kernels trust the metadata as docs/kernel_notes.md lists.
+  /// Off (the default), the kernels trust the metadata.
   bool checked = false;
-  /// > 0: every plan uses this many KV splits instead of the heuristic's choice.
+  /// > 0: every plan uses this many KV splits instead of the heuristic's choice (0).
   int num_splits = 0;
   PrefillRoute prefill = PrefillRoute::kAuto;
-  bool portable_prefill = false;               ///< the mma.sync prefill kernel even on Hopper
-  DecodeCopy decode_copy = DecodeCopy::kAuto;  ///< how decode brings K/V rows into smem
-  mla::Consumer mla_consumer = mla::Consumer::kAuto;  ///< the MLA variant (kMlaEnvVar)
-  MlaCopy mla_copy = MlaCopy::kAuto;  ///< the MLA kernel's tile copies (kMlaCopyEnvVar)
-  bool mla_cluster_merge =
-      true;              ///< MLA splits merge in a cluster where possible (kMlaMergeEnvVar)
-  bool fp8_math = true;  ///< query_quant: fp8 products (kFp8MathEnvVar)
-  bool prefill_tma =
-      true;  ///< Hopper prefill: full tiles by TMA where possible (kPrefillCopyEnvVar)
-  /// Hopper prefill: CTAs with at least this many tiles run the pingpong (kPingpongEnvVar;
-  /// INT_MAX: never).
-  int pingpong_min_tiles = kPingpongMinTiles;
-  /// Hopper prefill: at most this many persistent CTAs (kPersistentEnvVar; INT_MAX: as many as
-  /// are resident; 0: one CTA per work tile).
+  /// The portable (mma.sync) prefill kernel even on Hopper, where auto takes it only for shapes
+  /// the Hopper kernel does not serve (a test and comparison route).
+  bool portable_prefill = false;
+  DecodeCopy decode_copy = DecodeCopy::kAuto;
+  /// The MLA kernel variant (head size 576): auto is mla::default_consumer() per cache kind and
+  /// head count, and swap AB (16- or 32-row CTAs) for steps whose requests have few rows.
+  mla::Consumer mla_consumer = mla::Consumer::kAuto;
+  MlaCopy mla_copy = MlaCopy::kAuto;
+  /// Hopper prefill: full K/V tiles (and Q's) of a 16-bit cache by TMA where the block size and
+  /// strides allow (auto; cp.async otherwise), or false: always by cp.async row gathers.
+  bool prefill_tma = true;
+  /// Hopper prefill: at most this many persistent CTAs (kPrefillPersistent: as many as are
+  /// resident; tests walk every work tile of a launch through one CTA with 1).
   int prefill_persistent = kPrefillPersistent;
-  /// Prefill kernels: (request, KV head) pairs per group of the work-tile walk
-  /// (kPairGroupEnvVar; 0: auto, INT_MAX: all in one group).
+  /// Prefill kernels: (request, KV head) pairs per group of the work-tile walk (0: auto, as
+  /// many as fit kPrefillL2Share of the L2 at max_seq_len keys; tests: small groups).
   int prefill_pair_group = 0;
-  /// Hopper prefill, persistent grid: work tiles taken by an atomic counter (kPrefillWalkEnvVar;
-  /// false: the static snake).
+  /// Hopper prefill, persistent grid: work tiles taken by an atomic counter where the dynamic
+  /// walk pays (prefill::dynamic_walk_pays, K/V by TMA), the static snake elsewhere (true,
+  /// auto); false: the static snake always.
   bool prefill_dynamic = true;
 };
 
-/// Options from PAGEDATTN_CHECKED, PAGEDATTN_CUDA_SPLITS, PAGEDATTN_CUDA_PREFILL,
-/// PAGEDATTN_CUDA_PREFILL_KERNEL, PAGEDATTN_CUDA_DECODE_COPY, PAGEDATTN_CUDA_MLA, the MLA copy,
-/// fp8-math, prefill-copy, pingpong, persistent, pair-group and walk variables above.
+/// The defaults with the user's environment: checked mode from PAGEDATTN_CHECKED, the split
+/// count from PAGEDATTN_CUDA_SPLITS (throws InvalidArgument naming the variable for a bad value).
 BackendOptions backend_options_from_env();
+/// `options` with "name=value" settings applied in order (the one parser of the option names
+/// and values). Throws InvalidArgument naming the option, the value and what is allowed.
+BackendOptions apply_settings(const BackendOptions& options,
+                              const std::vector<std::string>& settings);
+/// Every option with its value in `options` (Backend::options()).
+std::vector<BackendOptionInfo> describe_options(const BackendOptions& options);
 
 std::unique_ptr<Backend> make_backend(const BackendOptions& options = backend_options_from_env());
 

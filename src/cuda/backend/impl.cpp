@@ -75,7 +75,6 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
       route_(options.prefill),
       bulk_copy_(use_bulk_copy(config, options.decode_copy, device_props(device.index).cc_major)),
       prefill_tma_(options.prefill_tma),
-      pingpong_min_tiles_(options.pingpong_min_tiles),
       prefill_persistent_(options.prefill_persistent),
       prefill_pair_group_(options.prefill_pair_group) {
   require<NotSupported>(device.is_cuda(), "cuda backend: device ", to_string(device),
@@ -91,13 +90,12 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
     }
     mla_ = mla::find_mla(config.dtype, cache_dtype_, config.num_heads, options.mla_consumer);
     require<NotSupported>(
-        mla_ != nullptr, "cuda backend: the MLA kernel (", kMlaEnvVar, "=",
-        mla::consumer_name(options.mla_consumer), ") is not compiled for ",
-        dtype_name(config.dtype), " over ", dtype_name(cache_dtype_),
+        mla_ != nullptr,
+        "cuda backend: the MLA kernel (mla_consumer=", mla::consumer_name(options.mla_consumer),
+        ") is not compiled for ", dtype_name(config.dtype), " over ", dtype_name(cache_dtype_),
         options.mla_consumer == mla::Consumer::kSeesaw ? " (the seesaw needs a 16-bit cache)" : "");
-    mla_cluster_merge_ = options.mla_cluster_merge;
     if (device_props(device.index).cc_major >= 9 && options.mla_copy != MlaCopy::kCpAsync) {
-      mla_tma_rows_ = options.mla_copy == MlaCopy::kTma ? 16 : 64;
+      mla_tma_rows_ = 64;
     }
     // The seesaw, swap AB and split-S's first instance write the 512 latent columns only; a
     // wider output (the generic contract's 576) takes split-S's 576-column instance under auto
@@ -132,11 +130,10 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
   combine_ = decode::find_combine(config.dtype);
   if (route_ != PrefillRoute::kOff) {
     // A quantised query over an e4m3 cache takes the fp8-product Hopper kernel where one is
-    // compiled (and not turned off); otherwise the 16-bit kernels read the quantised query.
-    const bool fp8_math = config.query_quant && options.fp8_math;
+    // compiled; otherwise the 16-bit kernels read the quantised query.
     prefill_ = prefill::find_prefill(config.dtype, cache_dtype_, config.head_size,
                                      device_props(device.index).cc_major, options.portable_prefill,
-                                     fp8_math);
+                                     config.query_quant);
   }
   require<NotSupported>(decode_ != nullptr && combine_ != nullptr,
                         "cuda backend: no attention kernel compiled for ", dtype_name(config.dtype),
@@ -365,7 +362,7 @@ void CudaImpl::forward(const ForwardArgs& a) {
         split_lse_offset(p.num_splits, md.num_actual_tokens, cfg.num_heads, cfg.head_size));
   }
   // Rows: requests with more than kDecodeMaxRows packed rows go to the prefill kernel (all of
-  // them under PAGEDATTN_CUDA_PREFILL=all), the rest to the decode kernel; each kernel skips
+  // them under the option prefill=all), the rest to the decode kernel; each kernel skips
   // the other's requests on the device, so the grids need only the longest query. The prefill
   // kernel goes first and the decode kernel behind it without overlap (launch_with_pdl).
   p.bulk_copy = bulk_copy_ ? 1 : 0;
@@ -377,7 +374,7 @@ void CudaImpl::forward(const ForwardArgs& a) {
     pp.num_q_tiles = int((max_rows + prefill_->block_m - 1) / prefill_->block_m);
     set_prefill_tma(pp, k, v, cached);
     set_prefill_q_tma(pp, a.query);
-    pp.pingpong_min_tiles = pingpong_min_tiles_;
+    pp.pingpong_min_tiles = 1;  // every work tile with K/V tiles runs the pingpong
     pp.persistent = std::min(prefill_persistent_, prefill_resident_);
     // The dynamic walk where most work tiles have rows and K/V come by TMA: where the producer
     // copies them by cp.async it is the busiest role, and the draw on its path cost ViT d80 3%
@@ -508,7 +505,7 @@ void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {
   const int out_cols = int(a.output.size(2));
   const mla::MlaKernel* const kernel =
       mla::mla_for_step(mla_, mla_wide_, mla_narrow_, md.max_query_len, cfg.num_heads, out_cols);
-  require<NotSupported>(kernel != nullptr, "cuda backend: the MLA kernel ", kMlaEnvVar, "=",
+  require<NotSupported>(kernel != nullptr, "cuda backend: the MLA kernel mla_consumer=",
                         mla::consumer_name(mla_->consumer), " writes at most ", mla_->max_out_cols,
                         " latent columns; output is ", describe(a.output),
                         " (auto or split-s serve ", mla::kEntry, ")");
@@ -534,9 +531,10 @@ void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {
   p.kv = k.data;
   p.kv_stride_block = k.stride(0);
   p.kv_stride_page = k.stride(1);
-  // TMA for full tiles when the rows are 16-bit and a box of min(block_size, 64) rows stays
-  // inside a block (kMlaCopyEnvVar says at which block sizes); the map is encoded per call (a few
-  // microseconds; it travels by value in the kernel's parameters, so a captured graph replays it).
+  // TMA for full tiles when the rows are 16-bit and the block size is a multiple of 64 (a box
+  // of 64 rows per panel stays inside a block; mla_copy=cp.async: never); the map is encoded
+  // per call (a few microseconds; it travels by value in the kernel's parameters, so a captured
+  // graph replays it).
   const int64_t es = int64_t(dtype_size(k.dtype));
   if (mla_tma_rows_ > 0 && es == 2 && a.kv_cache.block_size() % mla_tma_rows_ == 0 &&
       aligned(k.data, 16) && (k.stride(0) * es) % 16 == 0 && (k.stride(1) * es) % 16 == 0) {
@@ -584,10 +582,10 @@ void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {
   }
   // Up to kMaxClusterSplits splits of a swap AB step merge inside one cluster (no partials, no
   // combine; cluster_merge.cuh): [H100] see docs/kernel_notes.md "Split merge in a cluster".
-  p.split_cluster = p.num_splits > 1 && p.num_splits <= mla::kMaxClusterSplits &&
-                            kernel->cluster_merge && mla_cluster_merge_
-                        ? p.num_splits
-                        : 1;
+  p.split_cluster =
+      p.num_splits > 1 && p.num_splits <= mla::kMaxClusterSplits && kernel->cluster_merge
+          ? p.num_splits
+          : 1;
   kernel->launch(p, stream);
   if (p.num_splits > 1 && p.split_cluster <= 1) mla_combine_->launch(p, stream);
 }

@@ -48,14 +48,12 @@ class CudaImpl final : public AttentionImpl {
   PrefillRoute route_;
   bool bulk_copy_;
   bool prefill_tma_;          // BackendOptions::prefill_tma
-  int pingpong_min_tiles_;    // BackendOptions::pingpong_min_tiles
   int prefill_persistent_;    // BackendOptions::prefill_persistent
   int prefill_pair_group_;    // BackendOptions::prefill_pair_group
   int prefill_resident_ = 0;  // prefill CTAs resident on the device at once
   int64_t l2_bytes_ = 0;      // the device's L2
   int mla_tma_rows_ = 0;  // TMA for MLA tiles at block sizes that are multiples of this (0: off)
-  bool mla_cluster_merge_ = true;  // splits merge in a cluster where the kernel can (swap AB)
-  DType cache_dtype_;  // what the kernels read K/V as (the activation dtype for encoder types)
+  DType cache_dtype_;     // what the kernels read K/V as (the activation dtype for encoder types)
   const decode::DecodeKernel* decode_ = nullptr;
   const decode::CombineKernel* combine_ = nullptr;
   const prefill::PrefillKernel* prefill_ = nullptr;  // nullptr: the decode kernel takes all
