@@ -5,9 +5,12 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <vector>
 
+#include "core/option_table.h"
 #include "cpu/cpu_bf16_dot.h"
 #include "cpu/cpu_kernels.h"
 #include "cpu/cpu_plan.h"
@@ -104,7 +107,8 @@ AttentionParams make_params(const AttentionConfig& c, const ForwardArgs& a) {
 
 class CpuImpl final : public AttentionImpl {
  public:
-  explicit CpuImpl(const AttentionConfig& config) : config_(config) {}
+  CpuImpl(const AttentionConfig& config, const BackendOptions& options)
+      : config_(config), options_(options) {}
 
   void write_kv(const WriteKVArgs& a) override {
     const KVCacheView& c = a.kv_cache;
@@ -140,7 +144,7 @@ class CpuImpl final : public AttentionImpl {
     const CpuPlan* plan = dynamic_cast<const CpuPlan*>(a.plan);
     std::unique_ptr<CpuPlan> own;
     if (!plan) {
-      own = make_plan(*a.metadata, config_, default_plan_options());
+      own = make_plan(*a.metadata, config_, plan_options(options_.threads));
       plan = own.get();
     }
     // Partial results of split items live in the caller's workspace (or, when the caller gave
@@ -166,13 +170,38 @@ class CpuImpl final : public AttentionImpl {
 
  private:
   AttentionConfig config_;
+  BackendOptions options_;
 };
+
+using OptionTable = std::vector<detail::OptionField<BackendOptions>>;
+constexpr std::string_view kSource = "cpu backend";
+
+const OptionTable& option_table() {
+  static const OptionTable table = {
+      {{"threads",
+        "threads the plan spreads work and KV splits over (auto: OpenMP's thread count; "
+        "$PAGEDATTN_CPU_THREADS)",
+        {{"auto", 0}},
+        1,
+        4096},
+       [](const BackendOptions& o) { return o.threads; },
+       [](BackendOptions& o, int v) { o.threads = v; }},
+  };
+  return table;
+}
 
 class CpuBackend final : public Backend {
  public:
+  explicit CpuBackend(const BackendOptions& options) : options_(options) {}
   std::string_view name() const override { return "cpu"; }
   std::string_view description() const override {
     return "SIMD (run-time dispatch) + OpenMP paged attention on the host";
+  }
+  std::vector<BackendOptionInfo> options() const override {
+    return detail::describe_options(option_table(), options_);
+  }
+  std::unique_ptr<Backend> configured(const std::vector<std::string>& settings) const override {
+    return make_backend(detail::with_settings(option_table(), options_, settings, kSource));
   }
   std::vector<std::string> check(const BackendQuery& q) const override {
     std::vector<std::string> reasons;
@@ -193,13 +222,16 @@ class CpuBackend final : public Backend {
     return reasons;
   }
   std::unique_ptr<AttentionImpl> make_impl(const AttentionConfig& config, Device) const override {
-    return std::make_unique<CpuImpl>(config);
+    return std::make_unique<CpuImpl>(config, options_);
   }
   std::unique_ptr<Plan> plan(const AttentionMetadata& md, const AttentionConfig& c) const override {
-    return make_plan(md, c, default_plan_options());
+    return make_plan(md, c, plan_options(options_.threads));
   }
   void merge_states(const MergeArgs& a) const override;
   float amax(const TensorView& x) const override;
+
+ private:
+  BackendOptions options_;
 };
 
 void CpuBackend::merge_states(const MergeArgs& a) const {
@@ -283,8 +315,17 @@ float CpuBackend::amax(const TensorView& x) const {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_backend() {
-  return std::make_unique<CpuBackend>();
+BackendOptions backend_options_from_env() {
+  BackendOptions o;
+  if (const char* s = std::getenv(kThreadsEnvVar); s && *s) {
+    detail::set_option(option_table(), o, "threads", s,
+                       std::string(kThreadsEnvVar) + ": " + std::string(kSource));
+  }
+  return o;
+}
+
+std::unique_ptr<Backend> make_backend(const BackendOptions& options) {
+  return std::make_unique<CpuBackend>(options);
 }
 
 }  // namespace pagedattn::cpu

@@ -3,7 +3,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 namespace pagedattn::cpu {
 namespace {
@@ -17,12 +16,9 @@ constexpr int64_t kChunkAlign = 64;
 
 }  // namespace
 
-PlanOptions default_plan_options() {
+PlanOptions plan_options(int threads) {
   PlanOptions o;
-  o.num_threads = omp_get_max_threads();
-  if (const char* env = std::getenv("PAGEDATTN_CPU_PLAN_THREADS"); env && *env) {
-    o.num_threads = std::max(1, std::atoi(env));
-  }
+  o.num_threads = threads > 0 ? threads : omp_get_max_threads();
   return o;
 }
 

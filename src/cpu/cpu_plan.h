@@ -38,9 +38,8 @@ struct PlanOptions {
   int few_rows = 8;          ///< rows per KV head up to which the decode kernel is used
 };
 
-/// Options for this process: num_threads is OpenMP's thread count, or
-/// $PAGEDATTN_CPU_PLAN_THREADS when set (tests plan KV splits for more threads than they run).
-PlanOptions default_plan_options();
+/// The plan's knobs for `threads` threads (0: OpenMP's thread count).
+PlanOptions plan_options(int threads);
 
 /// The schedule for one step of layers shaped like `config` (reads the metadata's host mirrors).
 std::unique_ptr<CpuPlan> make_plan(const AttentionMetadata& metadata, const AttentionConfig& config,
