@@ -5,7 +5,7 @@
 // against one GPU and the time in the exchange. World sizes past the visible GPUs are listed as
 // not run; no figure is made up.
 //
-//   bench_dcp [--worlds 1,2,4,8] [--out FILE] [--quick] [--repeats N]
+//   bench_dcp [--worlds 1,2,4,8] [--out FILE] [--quick] [--repeats N] [--cuda-option N=V]...
 //
 // Per point and rank: the rank's share of every request's KV (global position i on rank
 // i % world), written as random bf16 data in shuffled blocks, rotating block tables so that one
@@ -67,6 +67,7 @@ struct Options {
   std::string out = "bench_dcp.json";
   bool quick = false;
   int repeats = 20;
+  std::vector<std::string> cuda_options;  // --cuda-option NAME=VALUE (Registry::configure)
 };
 
 // The model: Llama-3-8B-like attention (32 query heads, 8 KV heads, head size 128), bf16
@@ -236,6 +237,7 @@ json run_point(const Point& p, int rank, int world, ncclComm_t comm, cudaStream_
 
 int rank_main(int rank, int world, const std::string& id_bytes, const Options& o,
               const std::string& dir) {
+  default_registry().configure("cuda", o.cuda_options);
   BENCH_CUDA(cudaSetDevice(rank));
   ncclUniqueId id;
   std::memcpy(&id, id_bytes.data(), sizeof id);
@@ -285,9 +287,12 @@ int main(int argc, char** argv) {
       o.worlds.clear();
       std::stringstream list(argv[++i]);
       for (std::string w; std::getline(list, w, ',');) o.worlds.push_back(std::atoi(w.c_str()));
+    } else if (a == "--cuda-option" && i + 1 < argc) {
+      o.cuda_options.push_back(argv[++i]);
     } else {
       std::fprintf(stderr,
-                   "usage: bench_dcp [--worlds 1,2,4,8] [--out FILE] [--quick] [--repeats N]\n");
+                   "usage: bench_dcp [--worlds 1,2,4,8] [--out FILE] [--quick] [--repeats N] "
+                   "[--cuda-option NAME=VALUE]...\n");
       return 2;
     }
   }

@@ -3,6 +3,7 @@
 // working set exceeds L2. Writes JSON (bench/gpu/report.py merges it with the torch peers).
 //
 //   bench_decode --out ours.json [--quick] [--max-tokens N] [--only S1,S2,...]
+//                [--cuda-option NAME=VALUE]...
 //
 // --only keeps the points whose label contains one of the substrings (ncu runs use it).
 //
@@ -58,6 +59,7 @@ struct Options {
   bool quick = false;
   int64_t max_tokens = int64_t(8) << 20;  // batch * context cap per point
   std::vector<std::string> only;          // label substrings to keep (empty: all)
+  std::vector<std::string> cuda_options;  // --cuda-option NAME=VALUE (Registry::configure)
 };
 
 json run_point(const Backend& backend, const Shape& s, const Options& o, size_t l2_bytes,
@@ -282,13 +284,19 @@ int main(int argc, char** argv) {
         if (q > p) o.only.push_back(list.substr(p, q - p));
         p = q + 1;
       }
+    } else if (a == "--cuda-option" && i + 1 < argc) {
+      o.cuda_options.push_back(argv[++i]);
     } else {
       std::fprintf(stderr,
-                   "usage: bench_decode [--out FILE] [--quick] [--max-tokens N] [--only S1,S2]\n");
+                   "usage: bench_decode [--out FILE] [--quick] [--max-tokens N] [--only S1,S2] "
+                   "[--cuda-option NAME=VALUE]...\n");
       return 2;
     }
   }
   try {
+    if (default_registry().find("cuda") != nullptr) {
+      default_registry().configure("cuda", o.cuda_options);
+    }
     const Backend* backend = default_registry().find("cuda");
     if (backend == nullptr) {
       std::fprintf(stderr, "bench_decode: this build has no cuda backend\n");

@@ -4,10 +4,12 @@
 // so that the working set exceeds L2. Writes JSON.
 //
 //   bench_mla --out mla.json [--quick] [--only S1,S2,...] [--out-cols 512|576]
+//             [--cuda-option NAME=VALUE]...
 //
 // --out-cols 576 binds the generic contract's output (512..575 = P k_pe), which auto serves with
-// split-S's 576-column instance: an A/B of the 512-column kernels against it in one binary
-// (PAGEDATTN_BENCH_MLA_OUT_COLS sets the default, for ab_mla_h200.sh's per-build variables).
+// split-S's 576-column instance: an A/B of the 512-column kernels against it in one binary.
+// --cuda-option sets a cuda backend option (`pagedattn backends` lists them), e.g.
+// mla_consumer=seesaw: two variants of one binary compared (ab_mla.sh).
 //
 // Bytes counted: each visible latent byte once (sum over requests of seq_len * 576 * elem);
 // split partials, Q and O are not counted. FLOPs: 2 * rows * seq_len * (576 + 512) per request
@@ -59,6 +61,7 @@ struct Options {
   bool quick = false;
   std::vector<std::string> only;
   int out_cols = kLatent;
+  std::vector<std::string> cuda_options;  // --cuda-option NAME=VALUE (Registry::configure)
 };
 
 json run_point(const Backend& backend, const Shape& s, const Options& o, size_t l2_bytes,
@@ -249,7 +252,6 @@ std::vector<Shape> shapes(const Options& o) {
 
 int main(int argc, char** argv) {
   Options o;
-  if (const char* v = std::getenv("PAGEDATTN_BENCH_MLA_OUT_COLS")) o.out_cols = std::atoi(v);
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--out" && i + 1 < argc) {
@@ -265,9 +267,12 @@ int main(int argc, char** argv) {
         if (q > p) o.only.push_back(list.substr(p, q - p));
         p = q + 1;
       }
+    } else if (a == "--cuda-option" && i + 1 < argc) {
+      o.cuda_options.push_back(argv[++i]);
     } else {
       std::fprintf(stderr,
-                   "usage: bench_mla [--out FILE] [--quick] [--only S1,S2] [--out-cols 512|576]\n");
+                   "usage: bench_mla [--out FILE] [--quick] [--only S1,S2] [--out-cols 512|576] "
+                   "[--cuda-option NAME=VALUE]...\n");
       return 2;
     }
   }
@@ -276,6 +281,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
+    if (default_registry().find("cuda") != nullptr) {
+      default_registry().configure("cuda", o.cuda_options);
+    }
     const Backend* backend = default_registry().find("cuda");
     if (backend == nullptr) {
       std::fprintf(stderr, "bench_mla: this build has no cuda backend\n");

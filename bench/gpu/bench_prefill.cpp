@@ -3,6 +3,7 @@
 // bench/gpu/report_prefill.py merges with peers_prefill.py's torch figures.
 //
 //   bench_prefill --out ours.json [--quick] [--only SUBSTR[,SUBSTR...]]
+//                 [--cuda-option NAME=VALUE]...
 //
 // --only keeps the points whose label ("causal-d128 b4 ctx0 q4096 h32/8 d128 auto",
 // "vit-mha b32 s577 h16 d80") contains one of the substrings: the variant sweeps of a tuning
@@ -225,6 +226,7 @@ int main(int argc, char** argv) {
   std::string out = "bench_prefill.json";
   bool quick = false;
   std::vector<std::string> only;
+  std::vector<std::string> cuda_options;  // --cuda-option NAME=VALUE (Registry::configure)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--out" && i + 1 < argc) {
@@ -238,12 +240,19 @@ int main(int argc, char** argv) {
         if (comma > at) only.push_back(list.substr(at, comma - at));
         at = comma + 1;
       }
+    } else if (a == "--cuda-option" && i + 1 < argc) {
+      cuda_options.push_back(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: bench_prefill [--out FILE] [--quick] [--only SUBSTR,...]\n");
+      std::fprintf(stderr,
+                   "usage: bench_prefill [--out FILE] [--quick] [--only SUBSTR,...] "
+                   "[--cuda-option NAME=VALUE]...\n");
       return 2;
     }
   }
   try {
+    if (default_registry().find("cuda") != nullptr) {
+      default_registry().configure("cuda", cuda_options);
+    }
     const Backend* backend = default_registry().find("cuda");
     if (backend == nullptr) {
       std::fprintf(stderr, "bench_prefill: this build has no cuda backend\n");

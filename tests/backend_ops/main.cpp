@@ -1,5 +1,6 @@
 // backend_ops: every backend against the float64 reference over one case matrix.
 //   backend_ops test     [--backend NAME]... [--filter TEXT] [--device cpu|cuda]
+//                        [--cuda-option NAME=VALUE]... [--cpu-option NAME=VALUE]...
 //   backend_ops support  which cases each backend covers, and why not
 //   backend_ops perf     forward time per case (median of --repeats)
 //   backend_ops selftest the deliberately wrong backends must each fail some case, and the
@@ -26,6 +27,8 @@ struct Options {
   std::string device = "cpu";
   uint32_t seed = 20261202;
   std::string cpu_target;  // force one SIMD target of the cpu backend ("all": each in turn)
+  // Options of the registered backends ("name=value", Registry::configure), e.g. prefill=all.
+  std::vector<std::string> cuda_options, cpu_options;
   int repeats = 5;
   bool verbose = false;
 };
@@ -43,8 +46,16 @@ std::vector<OpCase> selected_cases(const Options& o) {
   return out;
 }
 
+// Applies --cuda-option / --cpu-option to the registered backends (again on a second call: the
+// settings are values, not increments).
+void configure_backends(const Options& o) {
+  if (!o.cuda_options.empty()) default_registry().configure("cuda", o.cuda_options);
+  if (!o.cpu_options.empty()) default_registry().configure("cpu", o.cpu_options);
+}
+
 // The registered backends under test: all but the oracle itself, unless named.
 std::vector<const Backend*> backends_under_test(const Options& o) {
+  configure_backends(o);
   std::vector<const Backend*> out;
   for (const Backend* b : default_registry().backends()) {
     const bool named =
@@ -124,6 +135,10 @@ int cmd_test(const Options& o) {
   int failures = 0;
   for (const Backend* b : under_test) {
     std::printf("backend %s: %zu cases\n", std::string(b->name()).c_str(), cases.size());
+    const std::vector<std::string>& set = b->name() == "cuda"  ? o.cuda_options
+                                          : b->name() == "cpu" ? o.cpu_options
+                                                               : std::vector<std::string>{};
+    for (const std::string& s : set) std::printf("  option %s\n", s.c_str());
     const Tally t = run_all(*b, cases, o, true);
     std::printf("backend %s: %d passed, %d failed, %d unsupported\n",
                 std::string(b->name()).c_str(), t.passed, t.failed, t.unsupported);
@@ -140,6 +155,7 @@ int cmd_test(const Options& o) {
 }
 
 int cmd_support(const Options& o) {
+  configure_backends(o);
   const auto cases = selected_cases(o);
   for (const Backend* b : default_registry().backends()) {
     std::map<std::string, int> reasons;
@@ -207,6 +223,11 @@ int main(int argc, char** argv) {
     c->add_option("--device", o.device, "cpu | cuda");
     c->add_option("--seed", o.seed, "base seed of the random inputs");
     c->add_flag("-v,--verbose", o.verbose, "print every case");
+    c->add_option("--cuda-option", o.cuda_options,
+                  "cuda backend option NAME=VALUE (repeatable; `pagedattn backends` lists them)")
+        ->allow_extra_args(false);
+    c->add_option("--cpu-option", o.cpu_options, "cpu backend option NAME=VALUE (repeatable)")
+        ->allow_extra_args(false);
   };
   auto* test = app.add_subcommand("test", "compare every backend with ref")->callback([&] {
     rc = cmd_test(o);

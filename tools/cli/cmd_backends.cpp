@@ -1,5 +1,6 @@
-// `pagedattn backends [config flags]`: every registered backend and why it does or does not
-// support a configuration.
+// `pagedattn backends [config flags]`: every registered backend, why it does or does not
+// support a configuration, and its options with their values.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -38,6 +39,26 @@ Device parse_device(const std::string& s) {
   throw InvalidArgument("--device '" + s + "' is not cpu, cuda or cuda:N");
 }
 
+// Each backend's options: name=value, what it allows, what it does (Registry::configure and
+// the tools' --cuda-option / --cpu-option flags set them).
+void print_options(const Registry& registry) {
+  for (const Backend* b : registry.backends()) {
+    const std::vector<BackendOptionInfo> options = b->options();
+    if (options.empty()) continue;
+    std::printf("%s options:\n", std::string(b->name()).c_str());
+    size_t width = 0;
+    for (const BackendOptionInfo& i : options) {
+      width = std::max(width, i.name.size() + 1 + i.value.size());
+    }
+    for (const BackendOptionInfo& i : options) {
+      std::string allowed;
+      for (const std::string& a : i.allowed) allowed += (allowed.empty() ? "" : " | ") + a;
+      std::printf("  %-*s  %s\n  %-*s  %s\n", int(width), (i.name + "=" + i.value).c_str(),
+                  allowed.c_str(), int(width), "", i.help.c_str());
+    }
+  }
+}
+
 void run_backends(const BackendsOptions& o) {
   AttentionConfig c;
   c.num_heads = o.num_heads;
@@ -73,6 +94,7 @@ void run_backends(const BackendsOptions& o) {
     std::printf("selected: none (%s)\n", e.what());
     g_exit_code = 1;
   }
+  print_options(registry);
 }
 
 }  // namespace
