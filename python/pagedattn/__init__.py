@@ -22,6 +22,7 @@ from pagedattn._C import (
     AttentionConfig,
     AttentionMetadata,
     Backend,
+    BackendOptionInfo,
     BackendVerdict,
     CacheConfig,
     CalibratedScales,
@@ -68,7 +69,14 @@ from pagedattn._C import (
     to_float32,
     validate_metadata,
 )
-from pagedattn._functional import current_stream, get_impl, merge_attn_states, step, write_kv
+from pagedattn._functional import (
+    configure_backend,
+    current_stream,
+    get_impl,
+    merge_attn_states,
+    step,
+    write_kv,
+)
 
 __version__: str = _C.__version__
 #: True when the extension was compiled with the CUDA backend.
@@ -81,6 +89,7 @@ __all__ = [
     "AttentionConfig",
     "AttentionMetadata",
     "Backend",
+    "BackendOptionInfo",
     "BackendVerdict",
     "CacheConfig",
     "CalibratedScales",
@@ -111,6 +120,7 @@ __all__ = [
     "cast",
     "check_case",
     "compare",
+    "configure_backend",
     "current_stream",
     "default_tolerance",
     "device_count",

@@ -69,6 +69,30 @@ def get_impl(
     return impl
 
 
+def _option_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def configure_backend(name: str, **options: Any) -> None:
+    """Sets options of the registered backend ``name``, e.g. ``configure_backend("cuda",
+    prefill="all", prefill_persistent=1)`` or ``configure_backend("cpu", threads=8)``.
+
+    The registry's backend is replaced by one with its current options and these on top
+    (``Registry::configure``); values are the spellings ``get_backend(name).options()`` lists
+    (``True`` / ``False`` mean ``"on"`` / ``"off"``, integers their digits). An unknown option
+    or a value it does not allow raises :class:`InvalidArgument` naming both and what is
+    allowed, and changes nothing. The impls cached here and by ``pagedattn.torch`` are dropped,
+    so later calls build theirs with the new options; impls held elsewhere keep theirs.
+    """
+    _C.configure_backend(name, [f"{k}={_option_text(v)}" for k, v in options.items()])
+    _impls.clear()
+    ops = sys.modules.get("pagedattn.torch._ops")
+    if ops is not None:
+        ops._impls.clear()
+
+
 def _cache_info(kv_cache: KVCacheArg) -> tuple[str, list[int], str]:
     """(dtype, [num_blocks, block_size, num_kv_heads, head_size], device) of a cache."""
     if isinstance(kv_cache, (tuple, list)):

@@ -160,8 +160,20 @@ void bind_backend(nb::module_& m) {
           },
           nb::arg("config"), nb::arg("device") = "cpu",
           "Why this backend cannot serve config on device (empty = supported).")
+      .def("options", &Backend::options,
+           "The backend's options (kernel variants, tuning knobs) with their current values.")
       .def("__repr__",
            [](const Backend& b) { return cat("<pagedattn.Backend '", b.name(), "'>"); });
+
+  nb::class_<BackendOptionInfo>(m, "BackendOptionInfo",
+                                "One option of a backend: its value, what it allows, what it does.")
+      .def_ro("name", &BackendOptionInfo::name)
+      .def_ro("value", &BackendOptionInfo::value)
+      .def_ro("allowed", &BackendOptionInfo::allowed)
+      .def_ro("help", &BackendOptionInfo::help)
+      .def("__repr__", [](const BackendOptionInfo& i) {
+        return cat("BackendOptionInfo(name='", i.name, "', value='", i.value, "')");
+      });
 
   nb::class_<BackendVerdict>(m, "BackendVerdict", "One backend's answer to a configuration.")
       .def_ro("name", &BackendVerdict::name)
@@ -196,6 +208,15 @@ void bind_backend(nb::module_& m) {
       "The backend that serves config: `name` (or $PAGEDATTN_BACKEND) forces one and never "
       "falls back; otherwise the first supported. Raises NotSupported listing every reason.");
   m.def("format_verdicts", &format_verdicts, nb::arg("verdicts"));
+  m.def(
+      "configure_backend",
+      [](const std::string& name, const std::vector<std::string>& settings) {
+        default_registry().configure(name, settings);
+      },
+      nb::arg("name"), nb::arg("settings"),
+      "Replaces the registered backend `name` with one whose options are its current ones with "
+      "settings (\"name=value\" each) applied (Registry::configure). Impls made before keep "
+      "their options. Raises InvalidArgument naming the option, the value and what is allowed.");
 
   nb::class_<PyPlan>(m, "Plan", "A backend's schedule for one step and one layer shape.")
       .def_prop_ro("workspace_bytes", [](const PyPlan& p) { return p.plan->workspace_bytes(); })
