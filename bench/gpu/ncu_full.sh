@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One kernel launch under Nsight Compute's full section set, for the profile_*_h200.sh scripts:
+# One kernel launch under Nsight Compute's full section set, for the profile_*.sh scripts:
 # the 4th launch whose name matches KERNEL, the report's details, raw and per-SASS-instruction
 # pages exported to WORKDIR/NAME.*, the key details lines and ncu_stalls.py's tables (stall
 # reasons, busiest pipes, stall samples by opcode and instruction) appended to LOG.

@@ -1,4 +1,4 @@
-"""Tables from an Nsight Compute report's exported pages, for the profile_*_h200.sh scripts.
+"""Tables from an Nsight Compute report's exported pages, for the profile_*.sh scripts.
 
     python3 bench/gpu/ncu_stalls.py RAW.csv [SOURCE.csv]
 

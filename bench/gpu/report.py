@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Merges bench_decode's and peers.py's JSON into one results file (bench/results style), draws
-bytes/s against context per batch size, and prints a short table (printed last by run_h200.sh).
+bytes/s against context per batch size, and prints a short table (run.sh keeps it as
+decode-<card>.txt).
 
     python3 bench/gpu/report.py --ours ours.json [--peers peers.json] --json results.json \
         --png decode.png [--clocks "..."]

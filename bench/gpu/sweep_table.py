@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The lines of sweep_prefill_h200.sh's sweep.txt as one row per point: each variant's best
+"""The lines of sweep_prefill.sh's sweep.txt as one row per point: each variant's best
 of its rounds in TFLOP/s and the ratio of the variant named `new` to each other one."""
 import collections
 import re

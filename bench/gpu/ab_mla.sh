@@ -1,28 +1,26 @@
 #!/usr/bin/env bash
 # A change to the MLA decode kernel, checked and timed in one device call: for every build
-# given, backend_ops --filter mla (the default route, two, five and seven forced splits, cp.async
-# copies, the forced redundant, seesaw, split-S and both swap ABs, the splits merged by the
-# combine kernel; the float64
-# reference with poisoned outputs) and compute-sanitizer memcheck, then bench_mla on the points
-# that matter, the builds interleaved point by point for ROUNDS
-# rounds, and a table of each build's best time per point with its ratio to the first build
-# (and that round's fraction of the copy rate and TFLOP/s).
+# given, backend_ops --filter mla on the MLA routes (the default route, two, five and seven
+# forced splits, cp.async copies, each consumer forced; the float64 reference with poisoned
+# outputs) and compute-sanitizer memcheck, then bench_mla on the points that matter, the builds
+# interleaved point by point for ROUNDS rounds, and a table of each build's best time per point
+# with its ratio to the first build (and that round's fraction of the copy rate and TFLOP/s).
 #
-#   OUT=... bash bench/gpu/ab_mla_h200.sh main=build/ab/main new=build/ab/mlap1 [...]
-#   OUT=... bash bench/gpu/ab_mla_h200.sh split=build/ab/new seesaw=build/ab/new@PAGEDATTN_CUDA_MLA=seesaw
+#   OUT=... bash bench/gpu/ab_mla.sh main=build/ab/main new=build/cuda-sm90 [...]
+#   OUT=... bash bench/gpu/ab_mla.sh split=build/cuda-sm90 seesaw=build/cuda-sm90@mla_consumer=seesaw
 #
-# A build's path may carry @VAR=value suffixes: variables that every run of that build gets
-# (two routes of one binary compared as two builds).
-# Each path holds tests/backend_ops and bench/gpu/bench_mla (build_variant.sh with
-# TARGETS="bench/gpu/bench_mla tests/backend_ops"). POINTS (bench_mla --only labels, comma
-# separated) and ROUNDS (default 2) change the timing part; CHECK=0 skips the checks (about 50 s
-# per build on an H100: give the call's timeout room for both parts), CHECK=a,b checks only the
-# builds named a and b. Writes $OUT/ab_mla.txt and
-# $OUT/ab_mla_logs.tar.gz (few files: the device returns a limited number); the table ends with
-# every build's time per round.
+# A build's path may carry @name=value suffixes: cuda options (`pagedattn backends` lists them)
+# that every run of that build gets, so two variants of one binary compare as two builds;
+# @out-cols=576 times bench_mla with --out-cols 576 instead. Each path holds tests/backend_ops
+# and bench/gpu/bench_mla (a build of another commit: its cuda-sm90 build's binaries copied
+# under build/ab/<name>/). POINTS (bench_mla --only labels, comma separated) and ROUNDS (default
+# 2) change the timing part; CHECK=0 skips the checks (about 50 s per build on an H100: give the
+# call's timeout room for both parts), CHECK=a,b checks only the builds named a and b. Writes
+# $OUT/ab_mla.txt and $OUT/ab_mla_logs.tar.gz (few files: the device returns a limited number);
+# the table ends with every build's time per round.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-OUT="${OUT:-$PWD/build/h200-ab-mla}"
+OUT="${OUT:-$PWD/build/gpu-ab-mla}"
 O="$(mktemp -d)"
 mkdir -p "$OUT"
 S=$(date +%s)
@@ -31,13 +29,23 @@ POINTS="${POINTS:-h16q1 b64 ctx8192 ,h16q1 b128 ctx16384 ,h16q1-fp8 b64 ctx8192 
 ROUNDS="${ROUNDS:-2}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 names=()
-# name=dir[@VAR=value...] -> name, dir and the build's variables (space separated).
+# name=dir[@option=value...] -> name, dir, the build's --cuda-option flags (opts) and
+# bench_mla's extra flags (mla_flags).
 split_spec() {
   name="${1%%=*}"
-  local rest="${1#*=}"
+  local rest="${1#*=}" item
   dir="${rest%%@*}"
-  benv="${rest#"$dir"}"
-  benv="${benv//@/ }"
+  opts=()
+  mla_flags=()
+  IFS=@ read -ra items <<<"${rest#"$dir"}"
+  for item in "${items[@]}"; do
+    [ -n "$item" ] || continue
+    if [[ "$item" == out-cols=* ]]; then
+      mla_flags+=(--out-cols "${item#out-cols=}")
+    else
+      opts+=(--cuda-option "$item")
+    fi
+  done
 }
 for spec in "$@"; do
   split_spec "$spec"
@@ -47,25 +55,21 @@ for spec in "$@"; do
     1) ;;
     *) [[ ",$CHECK," == *",$name,"* ]] || continue ;;  # a list: check only the builds named
   esac
-  BO="$dir/tests/backend_ops test --device cuda --backend cuda --filter mla"
+  BO=("$dir/tests/backend_ops" test --device cuda --backend cuda --filter mla "${opts[@]}")
   # The forced consumers too: auto gives the seesaw only the 128-head cases and swap AB only
   # steps of <= 16 / 32 rows a request (split-S the rest); the seesaw and swap AB refuse
   # 576-column outputs (reported unsupported, not failed).
   # Seven splits: the largest cluster merge area (config.h merge_bytes: 135 KB at 64 rows).
-  for run in "default" "splits2 PAGEDATTN_CUDA_SPLITS=2" "splits5 PAGEDATTN_CUDA_SPLITS=5" \
-    "splits7 PAGEDATTN_CUDA_SPLITS=7" \
-    "cp.async PAGEDATTN_CUDA_MLA_COPY=cp.async" "redundant PAGEDATTN_CUDA_MLA=redundant" \
-    "seesaw PAGEDATTN_CUDA_MLA=seesaw" "split-s PAGEDATTN_CUDA_MLA=split-s" \
-    "swap-ab PAGEDATTN_CUDA_MLA=swap-ab" "swap-ab-32 PAGEDATTN_CUDA_MLA=swap-ab-32" \
-    "merge-kernel PAGEDATTN_CUDA_MLA_MERGE=kernel"; do
-    vars="${run#"${run%% *}"}"  # the run's variables (none for "default")
-    # shellcheck disable=SC2086  # one word each
-    env $benv $vars timeout 120 $BO >"$O/bo_${name}_${run%% *}.log" 2>&1
+  for run in "default" "splits2 splits=2" "splits5 splits=5" "splits7 splits=7" \
+    "cp.async mla_copy=cp.async" "seesaw mla_consumer=seesaw" "split-s mla_consumer=split-s" \
+    "swap-ab mla_consumer=swap-ab" "swap-ab-32 mla_consumer=swap-ab-32"; do
+    run_opts=()
+    [ "$run" = default ] || run_opts=(--cuda-option "${run#* }")
+    timeout 120 "${BO[@]}" "${run_opts[@]}" >"$O/bo_${name}_${run%% *}.log" 2>&1
     t "$name backend_ops ${run%% *} rc=$?: $(grep -E '^backend' "$O/bo_${name}_${run%% *}.log")"
     grep -m3 FAIL "$O/bo_${name}_${run%% *}.log"
   done
-  # shellcheck disable=SC2086  # one word each
-  env $benv timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 $BO >"$O/san_$name.log" 2>&1
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 "${BO[@]}" >"$O/san_$name.log" 2>&1
   t "$name memcheck rc=$?: $(grep -E '^backend' "$O/san_$name.log"); $(grep 'ERROR SUMMARY' "$O/san_$name.log")"
 done
 for r in $(seq "$ROUNDS"); do
@@ -73,9 +77,9 @@ for r in $(seq "$ROUNDS"); do
   for pt in "${pts[@]}"; do
     for spec in "$@"; do
       split_spec "$spec"
-      # shellcheck disable=SC2086  # one word each
-      env $benv timeout 120 "$dir/bench/gpu/bench_mla" --out "$O/mla_${name}_r$r.json" --only "$pt" \
-        >"$O/mla_${name}_r${r}_${pt// /_}.log" 2>&1 || t "$name '$pt' rc=$?"
+      timeout 120 "$dir/bench/gpu/bench_mla" --out "$O/mla_${name}_r$r.json" --only "$pt" \
+        "${opts[@]}" "${mla_flags[@]}" >"$O/mla_${name}_r${r}_${pt// /_}.log" 2>&1 ||
+        t "$name '$pt' rc=$?"
       sed -n '2,$p' "$O/mla_${name}_r${r}_${pt// /_}.log" | sed "s/^/$name r$r: /"
     done
   done

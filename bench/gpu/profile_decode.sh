@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Nsight Compute profiles of the decode path on the H200 machine, for docs/kernel_notes.md:
+# Nsight Compute profiles of the decode path on a GPU machine, for docs/kernels/decode.md:
 #  1. the fp8 and bf16 decode kernels (full section set, per-SASS-instruction samples);
 #  2. every kernel of one decode step at real clocks (--clock-control none): the decode kernel,
 #     the split combine, their durations and DRAM throughput, to split a step's time into the
 #     kernels and the gaps between them;
 #  3. the same metrics for our MHA point and cuDNN's kernel on the same shape.
 # Writes $OUT/summary.txt and $OUT/profile.tar.gz (the .ncu-rep files, the details pages and
-# the source CSVs). Binaries are built here with the cuda-h200 preset and carried (run_h200.sh).
+# the source CSVs). Binaries are built here with the cuda-sm90 preset and carried (pack.sh).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-OUT="${OUT:-$PWD/build/h200-profile}"
-BUILD="${PAGEDATTN_BUILD:-build/cuda-h200}"
+OUT="${OUT:-$PWD/build/gpu-profile}"
+source bench/gpu/common.sh
 bench="$BUILD/bench/gpu/bench_decode"
 mkdir -p "$OUT"
 W="$(mktemp -d)"
