@@ -235,8 +235,8 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
       m.add_latent("mla", c, {{300, 2}, {70, 1}, {0, 0}, {129, 2}, {0, 2}}, 2);
       m.add_latent("mla", c, {{1100, 2}, {900, 1}});
       // 8 requests of ~600 keys: the planner takes 2 splits (at most one per 256 keys), which
-      // swap AB merges in a cluster (cluster_merge.cuh); PAGEDATTN_CUDA_MLA_MERGE=kernel runs
-      // these through the combine kernel, as more than 8 splits do.
+      // swap AB merges in a cluster (cluster_merge.cuh); the 576-column cases (and more than 8
+      // splits) run the combine kernel.
       m.add_latent("mla", c, std::vector<RequestShape>(8, RequestShape{600, 1}));
       std::vector<RequestShape> mtp(8, RequestShape{560, 2});
       mtp[3] = {600, 1};

@@ -1,6 +1,6 @@
 // The cuda backend against the float64 reference, through the public API. Tests that need a
 // GPU skip (GTEST_SKIP) when none is usable, so CI, which has none, runs only the host-side
-// ones (check() reasons, the split planner). bench/gpu/run_h200.sh runs the rest on the H200.
+// ones (check() reasons, the split planner). bench/gpu/run.sh runs the rest on a GPU machine.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 

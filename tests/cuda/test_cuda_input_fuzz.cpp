@@ -4,7 +4,7 @@
 // soft cap), one damage each (tests/common/step_damage.h), metadata and inputs copied to the GPU
 // with their damaged shapes, strides and dtypes. Every call either throws pagedattn::Error or
 // runs, writing every output row with finite values that a rerun on dense copies reproduces bit
-// for bit. Run under compute-sanitizer (bench/gpu/run_h200.sh) it also proves that no damage
+// for bit. Run under compute-sanitizer (bench/gpu/run.sh) it also proves that no damage
 // reaches a kernel as an out-of-bounds access. Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>

@@ -3,7 +3,7 @@
 // device (each rank its own shard or share of the KV cache, its own tensors and workspace),
 // their exchanges run by pagedattn/exchange.h with the all-gathers replaced by device copies,
 // over the backend_ops case matrix. tests/nccl runs the same with NCCL, one process per GPU.
-// Skips without a GPU (bench/gpu/run_h200.sh runs it on the H200).
+// Skips without a GPU (bench/gpu/run.sh runs it on a GPU machine).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
