@@ -23,7 +23,7 @@
 //             from a smem table that kBlockN threads fill two tiles ahead (one block-table read per
 //             row, not per 16-byte chunk: the per-chunk lookup cost ~115 instructions per
 //             copy pair in the SASS of the first version). fp8 stages are widened exactly to the
-//             activation type in shared memory (decode::Fp8Widen) before the MMAs read them.
+//             activation type in shared memory (attn::Fp8Widen) before the MMAs read them.
 //   math      S = Q K^T and O += P V by mma.sync m16n8k16 with fp32 accumulation, operands by
 //             ldmatrix from padded rows; online softmax in log2 units with P rounded to the
 //             activation type (the reference's low-precision model).
@@ -38,30 +38,28 @@
 #include <atomic>
 #include <cfloat>
 
+#include "cuda/attn_common/common.cuh"
+#include "cuda/attn_common/fp8.cuh"
+#include "cuda/attn_common/params.h"
 #include "cuda/common/device_props.h"
-#include "cuda/decode/common.cuh"
-#include "cuda/decode/fp8.cuh"
-#include "cuda/decode/launch.h"
-#include "cuda/decode/softmax.cuh"
-#include "cuda/decode/store.cuh"
+#include "cuda/common/launch.cuh"
 #include "cuda/prefill/config.h"
 #include "cuda/prefill/launch.h"
 #include "cuda/prefill/walk.h"
 
 namespace pagedattn::cuda::prefill {
 
-using decode::ceil_div;
-using decode::DecodeParams;
-using decode::kLn2;
-using decode::kLog2e;
-using decode::ThreadRow;
+using attn::AttnParams;
+using attn::ceil_div;
+using attn::kLn2;
+using attn::kLog2e;
+using attn::ThreadRow;
 
 // This thread's row `row` (CTA-local) as the mask and ALiBi see it; built only inside the
 // branches that need it, so that no register holds it through the main loop.
-__device__ __forceinline__ ThreadRow thread_row(const DecodeParams& p, const decode::Work& w,
-                                                int row) {
+__device__ __forceinline__ ThreadRow thread_row(const AttnParams& p, const attn::Work& w, int row) {
   if (row >= w.num_rows) return ThreadRow{0, 0, 0, 0.0f};  // padding row: every key masked
-  const decode::RowRange rr = decode::row_range(p, w, row);
+  const attn::RowRange rr = attn::row_range(p, w, row);
   ThreadRow t;
   t.lo = max(rr.lo, w.kv_begin);
   t.hi = min(rr.hi, w.kv_end);
@@ -78,7 +76,7 @@ __device__ __forceinline__ ThreadRow thread_row(const DecodeParams& p, const dec
 // branches alone made ptxas spill 20-100 bytes in the Hopper kernel's main loop. `undo`: the
 // factors of rows row_a and row_a + 8 that undo a scaling of their Q rows (1 without one).
 template <int kSn, bool kFeatures = true>
-__device__ __forceinline__ void softmax_scores(const DecodeParams& p, const decode::Work& w,
+__device__ __forceinline__ void softmax_scores(const AttnParams& p, const attn::Work& w,
                                                float (&s)[kSn][4], int row_a, int tile_start,
                                                bool need_mask, int t4, float (&m)[2], float (&l)[2],
                                                float (&corr)[2], float2 undo = {1.0f, 1.0f}) {
@@ -178,7 +176,7 @@ struct KvRows {
   int64_t k_sb, k_sp, v_sb, v_sp;  // bytes per block and per in-block row
   const int32_t* bt_row;
   int bs_shift;  // log2(block_size) when a power of two, else -1
-  __device__ __forceinline__ KvRows(const DecodeParams& p, const decode::Work& w, int kv_bytes) {
+  __device__ __forceinline__ KvRows(const AttnParams& p, const attn::Work& w, int kv_bytes) {
     k_head = static_cast<const char*>(p.k) + int64_t(w.kv_head) * p.k_stride_head * kv_bytes;
     v_head = static_cast<const char*>(p.v) + int64_t(w.kv_head) * p.v_stride_head * kv_bytes;
     k_sb = p.k_stride_block * kv_bytes;
@@ -189,7 +187,7 @@ struct KvRows {
     bs_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
   }
   // Key `pos` (< w.kv_end) of the request.
-  __device__ __forceinline__ void offsets(const DecodeParams& p, const decode::Work& w, int pos,
+  __device__ __forceinline__ void offsets(const AttnParams& p, const attn::Work& w, int pos,
                                           int64_t& k_off, int64_t& v_off) const {
     if (p.kv_direct) {
       k_off = (int64_t(w.q_begin) + pos) * k_sb;
@@ -210,8 +208,8 @@ struct KvRows {
 // Hopper kernel passes the indices of each work tile it takes). False when the tile
 // has no rows: a request of the decode kernel's (q_len * G <= route_rows) or a q tile past
 // the request's query.
-__device__ __forceinline__ bool prefill_work(const DecodeParams& p, int block_m, int split_align,
-                                             int x, int split, decode::Work& w) {
+__device__ __forceinline__ bool prefill_work(const AttnParams& p, int block_m, int split_align,
+                                             int x, int split, attn::Work& w) {
   const WalkIndex at = walk_index(x, p.num_seqs * p.num_kv_heads, p.pair_group, p.num_q_tiles);
   const int tile_rank = at.tile_rank;
   w.r = at.pair / p.num_kv_heads;
@@ -223,8 +221,8 @@ __device__ __forceinline__ bool prefill_work(const DecodeParams& p, int block_m,
   const int rows_total = w.q_len * p.group;
   if (rows_total <= p.route_rows || w.row0 >= rows_total) return false;
   w.num_rows = min(block_m, rows_total - w.row0);
-  const decode::RowRange first = decode::row_range(p, w, 0);
-  const decode::RowRange last = decode::row_range(p, w, w.num_rows - 1);
+  const attn::RowRange first = attn::row_range(p, w, 0);
+  const attn::RowRange last = attn::row_range(p, w, w.num_rows - 1);
   const int range_lo = first.lo, range_hi = max(last.hi, first.lo);
   const int chunk =
       ceil_div(ceil_div(range_hi - range_lo, p.num_splits), split_align) * split_align;
@@ -238,7 +236,7 @@ __device__ __forceinline__ bool prefill_work(const DecodeParams& p, int block_m,
 // kv_head * G + row % G) into shared memory at `dst`: by cp.async when the rows allow 16-byte
 // copies (zeros past the rows), else by 16-bit loads and one 16-byte store.
 template <DType kAct>
-__device__ __forceinline__ void copy_q_chunk(const DecodeParams& p, const decode::Work& w, int row,
+__device__ __forceinline__ void copy_q_chunk(const AttnParams& p, const attn::Work& w, int row,
                                              int col, unsigned char* dst) {
   const char* src = nullptr;
   if (row < w.num_rows) {
@@ -266,17 +264,17 @@ __device__ __forceinline__ void copy_q_chunk(const DecodeParams& p, const decode
 struct RowsSpan {
   int lo = 0, hi = 0, mask_lo = 0, mask_hi = 0;
 };
-__device__ __forceinline__ RowsSpan rows_span(const DecodeParams& p, const decode::Work& w,
+__device__ __forceinline__ RowsSpan rows_span(const AttnParams& p, const attn::Work& w,
                                               int row_first, int row_last) {
-  const decode::RowRange a = decode::row_range(p, w, row_first);
-  const decode::RowRange b = decode::row_range(p, w, row_last);
+  const attn::RowRange a = attn::row_range(p, w, row_first);
+  const attn::RowRange b = attn::row_range(p, w, row_last);
   return RowsSpan{max(a.lo, w.kv_begin), min(b.hi, w.kv_end), max(b.lo, w.kv_begin),
                   min(a.hi, w.kv_end)};
 }
 
 // A row's sink (spec 4.12): it joins the softmax's denominator only, so the row's log2-sum-exp
 // lse2 takes it in and the output factor shrinks by the same ratio.
-__device__ __forceinline__ void apply_sink(const DecodeParams& p, int head, float& lse2,
+__device__ __forceinline__ void apply_sink(const AttnParams& p, int head, float& lse2,
                                            float& factor) {
   const float sink2 = p.sinks[head] * kLog2e;
   const float mx = fmaxf(lse2, sink2);
@@ -288,7 +286,7 @@ __device__ __forceinline__ void apply_sink(const DecodeParams& p, int head, floa
 // Rows row_a and row_a + 8 (CTA-local) of one m16 tile out: normalise, v scale, sinks; the
 // output and LSE, or the split partials. o, m, l are this thread's accumulator fragment.
 template <DType kAct, int kNt>
-__device__ __forceinline__ void store_rows(const DecodeParams& p, const decode::Work& w,
+__device__ __forceinline__ void store_rows(const AttnParams& p, const attn::Work& w,
                                            const float (&o)[kNt][4], const float (&m)[2],
                                            const float (&l)[2], int row_a, int t4) {
   constexpr int D = kNt * 8;
@@ -342,7 +340,7 @@ __device__ __forceinline__ void store_rows(const DecodeParams& p, const decode::
 
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
-    prefill_kernel(const __grid_constant__ DecodeParams p) {
+    prefill_kernel(const __grid_constant__ AttnParams p) {
   constexpr int D = T::head_size;
   constexpr int kBlockN = T::kBlockN;
   constexpr int kNt = D / 8, kKs = D / 16, kSn = kBlockN / 8, kMt = T::kMt;
@@ -360,7 +358,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
   sm80::grid_dependency_wait();
   sm80::launch_dependent_grids();
 
-  decode::Work w;
+  attn::Work w;
   if (!prefill_work(p, T::kBlockM, T::kSplitAlign, int(blockIdx.x), int(blockIdx.y), w)) return;
 
   // This warp's rows and the keys they can see (tiles outside span.lo..hi are skipped).
@@ -432,7 +430,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
       sm80::smem_addr(smem) + (wrow0 + (mi & 1) * 8 + r8) * lay.q_row_bytes + (mi >> 1) * 16;
   const int kb_row = (mi >> 1) * 8 + r8, kb_col = (mi & 1) * 8;
   const int vb_row = (mi & 1) * 8 + r8, vb_col = (mi >> 1) * 8;
-  [[maybe_unused]] const decode::Fp8Widen<T::act> fp8(p.kv_dtype == int(DType::kFp8E5M2));
+  [[maybe_unused]] const attn::Fp8Widen<T::act> fp8(p.kv_dtype == int(DType::kFp8E5M2));
 
   lookup(0);
   lookup(1);
@@ -541,7 +539,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
 // splits, and the occupancy the split planner reads.
 template <class T>
 struct PrefillHost {
-  using Kernel = void (*)(DecodeParams);
+  using Kernel = void (*)(AttnParams);
   template <Kernel kKernel>
   static void prepare(int device) {
     static std::atomic<uint64_t> done{0};  // one per kernel: a bit per device
@@ -552,7 +550,7 @@ struct PrefillHost {
     done.fetch_or(bit, std::memory_order_acq_rel);
   }
   template <Kernel kKernel>
-  static void launch(const DecodeParams& p, cudaStream_t stream) {
+  static void launch(const AttnParams& p, cudaStream_t stream) {
     const dim3 grid(unsigned(p.num_q_tiles) * unsigned(p.num_seqs) * unsigned(p.num_kv_heads),
                     unsigned(p.num_splits));
     if (grid.x == 0 || grid.y == 0) return;
@@ -565,7 +563,7 @@ struct PrefillHost {
   // grid above runs them): one CTA per work tile, or p.persistent CTAs (the backend caps it at
   // the resident count), each walking several work tiles.
   template <Kernel kKernel>
-  static void launch_tiles(const DecodeParams& p, cudaStream_t stream) {
+  static void launch_tiles(const AttnParams& p, cudaStream_t stream) {
     const int64_t total = int64_t(p.num_q_tiles) * p.num_seqs * p.num_kv_heads * p.num_splits;
     if (total == 0) return;
     int device = 0;
@@ -585,7 +583,7 @@ struct PrefillHost {
 };
 
 template <class T>
-void PrefillOps<T>::launch(const DecodeParams& p, cudaStream_t stream) {
+void PrefillOps<T>::launch(const AttnParams& p, cudaStream_t stream) {
   PrefillHost<T>::template launch<prefill_kernel<T>>(p, stream);
 }
 

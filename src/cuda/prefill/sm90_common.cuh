@@ -40,12 +40,12 @@ struct Barriers {
 template <class T>
 inline constexpr bool kTmaTiles = T::head_size % 64 == 0 && T::kv == KVKind::kSame;
 template <class T>
-__device__ __forceinline__ int tma_tiles(const DecodeParams& p, const decode::Work& w) {
+__device__ __forceinline__ int tma_tiles(const AttnParams& p, const attn::Work& w) {
   const bool aligned = p.kv_direct || (w.kv_begin & (p.kv_tma_rows - 1)) == 0;
   return kTmaTiles<T> && p.kv_tma != 0 && aligned ? (w.kv_end - w.kv_begin) / T::kBlockN : 0;
 }
 
-// Instances whose Q may come by TMA (DecodeParams::q_tma): those over a 16-bit cache. The fp8
+// Instances whose Q may come by TMA (AttnParams::q_tma): those over a 16-bit cache. The fp8
 // widening producer (40 registers, the busiest role there) spilled 56 bytes instead of 12 with
 // the TMA branch compiled in and lost 4% at d128 16k [H200, same call; ptxas -v].
 template <class T>
@@ -77,7 +77,7 @@ struct TileSeq {
 // Work from shared memory instead of computing it from global memory after that wait.
 // `count` arrivals: one beside Q's own (q_full_arrivals), or all of them for the end, which
 // loads no Q.
-static_assert(sizeof(decode::Work) <= kWorkSlotBytes, "Sm90Layout's Work slots");
+static_assert(sizeof(attn::Work) <= kWorkSlotBytes, "Sm90Layout's Work slots");
 // A value every lane of the warp holds, through a shuffle from lane 0 (the warp converged), so
 // that ptxas knows it is uniform: with the walk's number and Work read from shared memory under
 // the dynamic walk, they were per-thread values in both walks (one loop), and so were the
@@ -87,8 +87,8 @@ static_assert(sizeof(decode::Work) <= kWorkSlotBytes, "Sm90Layout's Work slots")
 __device__ __forceinline__ int warp_uniform(int v) {
   return __shfl_sync(0xffffffffu, v, 0);
 }
-__device__ __forceinline__ decode::Work warp_uniform(const decode::Work& w) {
-  decode::Work u;
+__device__ __forceinline__ attn::Work warp_uniform(const attn::Work& w) {
+  attn::Work u;
   u.r = warp_uniform(w.r);
   u.kv_head = warp_uniform(w.kv_head);
   u.row0 = warp_uniform(w.row0);
@@ -102,12 +102,12 @@ __device__ __forceinline__ decode::Work warp_uniform(const decode::Work& w) {
   return u;
 }
 template <class T>
-__device__ __forceinline__ decode::Work* work_slot(unsigned char* smem, int qb) {
-  return reinterpret_cast<decode::Work*>(smem + T::layout().tile_offset + 16 + kWorkSlotBytes * qb);
+__device__ __forceinline__ attn::Work* work_slot(unsigned char* smem, int qb) {
+  return reinterpret_cast<attn::Work*>(smem + T::layout().tile_offset + 16 + kWorkSlotBytes * qb);
 }
 template <class T>
 __device__ __forceinline__ void publish_tile(unsigned char* smem, Barriers<T::kStages> bars, int k,
-                                             int more, const decode::Work* w, uint32_t count) {
+                                             int more, const attn::Work* w, uint32_t count) {
   const int qb = q_buffer<T>(k);
   mbar_wait(bars.q_empty(qb), q_parity<T>(k) ^ 1);
   reinterpret_cast<volatile int*>(smem + T::layout().tile_offset)[qb] = more;
@@ -122,18 +122,18 @@ __device__ __forceinline__ void publish_tile(unsigned char* smem, Barriers<T::kS
 // instructions in its K/V loop (none without) and d64 lost 11% [SASS; H200, call 6 of
 // 2026-12-04-h200-dynamic-d908f9c.txt].
 // The launch's work tiles: (request, KV head) pairs x q tiles x splits.
-__device__ __forceinline__ int work_tiles(const DecodeParams& p) {
+__device__ __forceinline__ int work_tiles(const AttnParams& p) {
   return p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits;
 }
 template <class T>
-__device__ __forceinline__ bool dynamic_walk(const DecodeParams& p, int total) {
+__device__ __forceinline__ bool dynamic_walk(const AttnParams& p, int total) {
   return kTmaTiles<T> && p.tile_counter != nullptr && int(gridDim.x) < total;
 }
 
 // Arrivals that complete a Q buffer's `full` phase: TMA's one (with the box bytes) or one per
 // producer thread, and under the dynamic walk thread 0's publish_tile.
 template <class T>
-__device__ __forceinline__ uint32_t q_full_arrivals(const DecodeParams& p, bool dynamic) {
+__device__ __forceinline__ uint32_t q_full_arrivals(const AttnParams& p, bool dynamic) {
   return (kQTma<T> && p.q_tma ? 1u : 128u) + (dynamic ? 1u : 0u);
 }
 

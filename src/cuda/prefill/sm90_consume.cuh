@@ -31,7 +31,7 @@ __device__ __forceinline__ void pack_p_e4m3(const float (&s)[kSn][4], int c, uin
 }
 
 template <class T, bool kFeatures>
-__device__ __forceinline__ void consume(const DecodeParams& p, const decode::Work& w,
+__device__ __forceinline__ void consume(const AttnParams& p, const attn::Work& w,
                                         unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
                                         const TileSeq& seq) {
   constexpr int D = T::head_size, kBlockN = T::kBlockN;
@@ -72,7 +72,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const decode::Wor
   // the other's products occupy the tensor cores. Named barrier 2 + c is warpgroup c's turn;
   // each takes its turn once per tile (computed or skipped, so the counts always pair up),
   // issues, and hands the turn on; warpgroup 0 holds the first. Per work tile, from the number
-  // of its K/V tiles (the same for both warpgroups; DecodeParams::pingpong_min_tiles, by
+  // of its K/V tiles (the same for both warpgroups; AttnParams::pingpong_min_tiles, by
   // default every tile). Warpgroup 1's last hand-over of a work tile stays pending on barrier
   // 2 and opens warpgroup 0's first turn of the CTA's next work tile with turns; only the
   // first such tile opens it itself.

@@ -17,7 +17,7 @@ namespace pagedattn::cuda::prefill {
 
 /// Whether store_rows_staged takes the output: one split (no float partial rows) and rows
 /// whose base and strides allow 16-byte stores.
-__device__ __forceinline__ bool staged_store(const DecodeParams& p) {
+__device__ __forceinline__ bool staged_store(const AttnParams& p) {
   return p.num_splits == 1 && p.vec_out;
 }
 
@@ -28,7 +28,7 @@ __device__ __forceinline__ bool staged_store(const DecodeParams& p) {
 /// its rows are read back (before the global stores, which the proxy fence would otherwise
 /// order too).
 template <DType kAct, int kNt>
-__device__ __forceinline__ void store_rows_staged(const DecodeParams& p, const decode::Work& w,
+__device__ __forceinline__ void store_rows_staged(const AttnParams& p, const attn::Work& w,
                                                   const float (&o)[kNt][4], const float (&m)[2],
                                                   const float (&l)[2], int wrow0, uint32_t rows,
                                                   uint32_t panel_bytes, int lane,

@@ -8,13 +8,13 @@
 //             producer) at head sizes 64 to 256 (multiples of 16; fp8 to 192).
 //   grid      1-D over the portable kernel's work tiles (groups of (request, KV head) pairs x
 //             q tiles, reversed x pairs of the group, then splits): one CTA per work tile, or a
-//             persistent grid (DecodeParams::persistent) whose CTAs walk several, each taking
+//             persistent grid (AttnParams::persistent) whose CTAs walk several, each taking
 //             the next number from an atomic counter as soon as it is free (tile_counter;
 //             draw_tile in walk.h) or by a static snake; kBlockM = 128 packed rows per work
 //             tile, 384 threads.
 //   warps     warpgroup 0 (producer, 40 or 56 registers): Q per work tile (two buffers where
 //             they fit, so the next one's Q loads during this one's tiles; over a 16-bit cache
-//             by TMA from one thread where DecodeParams::q_tma allows), then the K and the V
+//             by TMA from one thread where AttnParams::q_tma allows), then the K and the V
 //             tile of kBlockN keys into two-stage rings of their own. 16-bit caches: warps 0-1
 //             bring K and warps 2-3 V, each half on its own loop. Full tiles (head sizes that are
 //             multiples of 64, block sizes powers of two >= 8, or an encoder's key tensor) come by
@@ -57,7 +57,7 @@ namespace pagedattn::cuda::prefill {
 // kFeatures: soft cap and ALiBi compiled in (a second instance; see softmax_scores).
 template <class T, bool kFeatures>
 __global__ void __launch_bounds__(T::kThreads, 1)
-    prefill_sm90_kernel(const __grid_constant__ DecodeParams p) {
+    prefill_sm90_kernel(const __grid_constant__ AttnParams p) {
   constexpr Sm90Layout lay = T::layout();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // Aligned by an offset from the array, not through an integer, so that pointers into it stay
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // query of a mixed batch) leaves before any setup.
   {
     const int nx = p.num_q_tiles * p.num_seqs * p.num_kv_heads, b = int(blockIdx.x);
-    decode::Work w;
+    attn::Work w;
     if (int(gridDim.x) >= nx * p.num_splits &&
         !prefill_work(p, T::kBlockM, T::kSplitAlign, b % nx, b / nx, w)) {
       return;
@@ -100,8 +100,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // Work tiles numbered as the portable kernel's grid runs them (x fastest: within a group of
   // pairs the q tile slowest and reversed, so the longest causal rows come first; the split
   // slowest). A grid of one CTA per work tile takes one each. A persistent grid
-  // (DecodeParams::persistent, the backend's default) walks several per CTA: with a counter
-  // (DecodeParams::tile_counter) each CTA takes the next number as soon as its producer is
+  // (AttnParams::persistent, the backend's default) walks several per CTA: with a counter
+  // (AttnParams::tile_counter) each CTA takes the next number as soon as its producer is
   // free (draw_tile), and the producer hands each number to the consumers beside that work
   // tile's Q (publish_tile); without one, in rounds of gridDim.x, CTA b taking number b of even
   // rounds and number gridDim.x - 1 - b of odd ones (causal work tiles shrink along the
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // loop while it kept more, and d64 16k lost 8%). next(seq, w): >= 0 with the next work tile's
   // Work in w, or -1.
   auto walk = [&](auto&& next, auto&& role) {
-    decode::Work w;
+    attn::Work w;
     TileSeq seq;
     for (int t; (t = warp_uniform(next(seq, w))) >= 0;) {
       w = warp_uniform(w);
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       seq.turns_open |= seq.pingpong;
     }
   };
-  auto work = [&](int t, decode::Work& w) {
+  auto work = [&](int t, attn::Work& w) {
     const int nx = p.num_q_tiles * p.num_seqs * p.num_kv_heads, split = t / nx;
     return prefill_work(p, T::kBlockM, T::kSplitAlign, t - split * nx, split, w);
   };
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     sm90::setmaxnreg_dec<T::kProducerRegs>();
     int step = 0;  // the snake's round, or the dynamic walk's draws
     walk(
-        [&](const TileSeq& seq, decode::Work& w) {
+        [&](const TileSeq& seq, attn::Work& w) {
           const int total = work_tiles(p);
           for (;;) {
             int t;
@@ -179,14 +179,14 @@ __global__ void __launch_bounds__(T::kThreads, 1)
             if (t < 0 || work(t, w)) return t;
           }
         },
-        [&](const decode::Work& w, int n_tiles, const TileSeq& seq) {
+        [&](const attn::Work& w, int n_tiles, const TileSeq& seq) {
           produce<T>(p, w, smem, bars, n_tiles, seq);
         });
   } else {
     sm90::setmaxnreg_inc<T::kConsumerRegs>();
     int round = 0;
     walk(
-        [&](const TileSeq& seq, decode::Work& w) {
+        [&](const TileSeq& seq, attn::Work& w) {
           const int total = work_tiles(p);
           if (dynamic_walk<T>(p, total)) {
             // The producer publishes only work tiles with rows, each with its Work.
@@ -201,14 +201,14 @@ __global__ void __launch_bounds__(T::kThreads, 1)
             if (t < 0 || work(t, w)) return t;
           }
         },
-        [&](const decode::Work& w, int n_tiles, const TileSeq& seq) {
+        [&](const attn::Work& w, int n_tiles, const TileSeq& seq) {
           consume<T, kFeatures>(p, w, smem, bars, n_tiles, seq);
         });
   }
 }
 
 template <class T>
-void PrefillSm90Ops<T>::launch(const DecodeParams& p, cudaStream_t stream) {
+void PrefillSm90Ops<T>::launch(const AttnParams& p, cudaStream_t stream) {
   if (p.softcap > 0.0f || p.alibi_slopes != nullptr) {
     PrefillHost<T>::template launch_tiles<prefill_sm90_kernel<T, true>>(p, stream);
   } else {

@@ -18,8 +18,8 @@ namespace pagedattn::cuda::prefill {
 // query (activation dtype, every value an e4m3 value: the narrowing is exact), zeros past the
 // rows, into the 128-byte-swizzled Q panel.
 template <DType kAct>
-__device__ __forceinline__ void copy_q_chunk_e4m3(const DecodeParams& p, const decode::Work& w,
-                                                  int row, int col, unsigned char* panel) {
+__device__ __forceinline__ void copy_q_chunk_e4m3(const AttnParams& p, const attn::Work& w, int row,
+                                                  int col, unsigned char* panel) {
   uint4 codes = make_uint4(0, 0, 0, 0);
   if (row < w.num_rows) {
     const int pr = w.row0 + row;
@@ -43,7 +43,7 @@ __device__ __forceinline__ void copy_q_chunk_e4m3(const DecodeParams& p, const d
 }
 
 // bf16 Q over a widened fp8 cache (T::kQRescale): producer thread `row` scales Q row `row` of
-// the swizzled panels in place into f16 by 2^k (decode::q_row_shift: its largest |q| into
+// the swizzled panels in place into f16 by 2^k (attn::q_row_shift: its largest |q| into
 // [2^14, 2^15); exact for every element down to 2^-28 of it) and leaves 2^-k in undo[row] for
 // the consumers' softmax. Lanes take consecutive rows, whose swizzle puts the same chunk of 8
 // rows in 8 different 16-byte bank groups.
@@ -59,24 +59,24 @@ __device__ __forceinline__ void rescale_q_row(unsigned char* q_smem, float* undo
   uint32_t max_bits = 0;
 #pragma unroll 4
   for (int col = 0; col < kChunks; ++col) {
-    max_bits = max(max_bits, decode::bf16x8_abs_max_bits(*chunk(col)));
+    max_bits = max(max_bits, attn::bf16x8_abs_max_bits(*chunk(col)));
   }
-  const int k = decode::q_row_shift(max_bits);
-  const float up = decode::pow2f(k);
+  const int k = attn::q_row_shift(max_bits);
+  const float up = attn::pow2f(k);
 #pragma unroll 4
   for (int col = 0; col < kChunks; ++col) {
     uint4 v = *chunk(col);
-    v.x = decode::bf16x2_to_f16x2(v.x, up);
-    v.y = decode::bf16x2_to_f16x2(v.y, up);
-    v.z = decode::bf16x2_to_f16x2(v.z, up);
-    v.w = decode::bf16x2_to_f16x2(v.w, up);
+    v.x = attn::bf16x2_to_f16x2(v.x, up);
+    v.y = attn::bf16x2_to_f16x2(v.y, up);
+    v.z = attn::bf16x2_to_f16x2(v.z, up);
+    v.w = attn::bf16x2_to_f16x2(v.w, up);
     *chunk(col) = v;
   }
-  undo[row] = decode::pow2f(-k);
+  undo[row] = attn::pow2f(-k);
 }
 
 template <class T>
-__device__ __forceinline__ void produce(const DecodeParams& p, const decode::Work& w,
+__device__ __forceinline__ void produce(const AttnParams& p, const attn::Work& w,
                                         unsigned char* smem, Barriers<T::kStages> bars, int n_tiles,
                                         const TileSeq& seq) {
   constexpr int D = T::head_size, kBlockN = T::kBlockN, kBlockM = T::kBlockM;

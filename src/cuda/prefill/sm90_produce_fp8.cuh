@@ -140,7 +140,7 @@ __device__ __forceinline__ void produce_fp8_math(unsigned char* smem, Barriers<T
 
 // Four e4m3 codes (byte i = code i) to f16 pairs {0, 1} and {2, 3}. The 16-bit halves through
 // a mov let ptxas read the upper one as an operand (F2FP.F16.E4M3.UNPACK_B R, R.H1); with a
-// shift (decode::fp8x2_f16<.., 1>) each pair cost a SHF more [SASS].
+// shift (attn::fp8x2_f16<.., 1>) each pair cost a SHF more [SASS].
 __device__ __forceinline__ void e4m3x4_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
   asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
       " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
@@ -169,10 +169,10 @@ __device__ __forceinline__ void widen_chunk_f16(const uint4& codes, uint32_t (&o
 // barrier is needed between copy and widening. The next tile's K is copied while this tile's
 // V is widened, and its V while the next K is, so a copy's latency is hidden behind one
 // widening. e4m3: cvt.rn.f16x2.e4m3x2, two codes per instruction (the bit trick to bf16,
-// decode::Fp8Widen, took ~11 instructions per four codes and set this kernel's pace: fp8 KV at
+// attn::Fp8Widen, took ~11 instructions per four codes and set this kernel's pace: fp8 KV at
 // 0.57 of the bf16 rate [H200, d908f9c]); e5m2: the code is the f16's top byte.
 template <class T, class FillTable>
-__device__ __forceinline__ void produce_fp8(const DecodeParams& p, unsigned char* smem,
+__device__ __forceinline__ void produce_fp8(const AttnParams& p, unsigned char* smem,
                                             Barriers<T::kStages> bars, int n_tiles, int it0,
                                             const char* k_head, const char* v_head,
                                             FillTable& fill_table) {

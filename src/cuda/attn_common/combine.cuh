@@ -1,5 +1,5 @@
-// The second kernel of a split-KV (flash-decoding) launch: merges the num_splits partial
-// results of every query row.
+// The second kernel of a split-KV (flash-decoding) launch of the decode or a prefill kernel:
+// merges the num_splits partial results of every query row.
 //
 // Map
 //   computes  for row (t, h): M = max_s lse_s, w_s = 2^(lse_s - M), out = sum_s w_s o_s /
@@ -15,18 +15,18 @@
 #pragma once
 
 #include "cuda/arch/sm80/ptx.cuh"
+#include "cuda/attn_common/common.cuh"
+#include "cuda/attn_common/launch.h"
 #include "cuda/common/dtypes.cuh"
-#include "cuda/decode/common.cuh"
-#include "cuda/decode/launch.h"
-#include "cuda/decode/store.cuh"
+#include "cuda/common/launch.cuh"
 
-namespace pagedattn::cuda::decode {
+namespace pagedattn::cuda::attn {
 
 inline constexpr int kCombineRowsPerCta = 4;
 
 template <DType kAct>
 __global__ void __launch_bounds__(32 * kCombineRowsPerCta)
-    combine_kernel(const __grid_constant__ DecodeParams p) {
+    combine_kernel(const __grid_constant__ AttnParams p) {
   // Launched right behind the attention kernel (programmatic dependent launch): wait for its
   // partials, and let the next kernel of the stream be scheduled behind us in turn.
   sm80::grid_dependency_wait();
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta)
 }
 
 template <DType kAct>
-void CombineOps<kAct>::launch(const DecodeParams& p, cudaStream_t stream) {
+void CombineOps<kAct>::launch(const AttnParams& p, cudaStream_t stream) {
   const int rows = p.num_actual_tokens * p.num_heads;
   if (rows == 0 || p.num_splits <= 1) return;
   const int ctas = (rows + kCombineRowsPerCta - 1) / kCombineRowsPerCta;
@@ -106,4 +106,4 @@ void CombineOps<kAct>::launch(const DecodeParams& p, cudaStream_t stream) {
                   stream, p);
 }
 
-}  // namespace pagedattn::cuda::decode
+}  // namespace pagedattn::cuda::attn

@@ -1,12 +1,13 @@
-// Parameters of the decode family (the attention kernel and its split combine): one POD
-// struct, host -> device. Strides are in elements; every head dimension is contiguous.
+// Parameters of the paged attention kernels (decode, both prefill kernels and the split
+// combine): one POD struct, host -> device. Strides are in elements; every head dimension is
+// contiguous.
 #pragma once
 
 #include <cuda.h>
 
 #include <cstdint>
 
-namespace pagedattn::cuda::decode {
+namespace pagedattn::cuda::attn {
 
 /// Request r owns query rows [query_start_loc[r], query_start_loc[r+1]) and attends over
 /// kv_len = seq_lens[r] keys (kv_direct: its own q_len tokens); query token i sits at absolute
@@ -16,7 +17,7 @@ namespace pagedattn::cuda::decode {
 ///   k + (query_start_loc[r] + j) * k_stride_page + h * k_stride_head   (kv_direct)
 /// Everything per step is read from device memory here, so a captured graph replays with new
 /// metadata written into the same buffers.
-struct DecodeParams {
+struct AttnParams {
   const void* q;  ///< [num_tokens, num_heads, head_size], activation dtype
   int64_t q_stride_token, q_stride_head;
   void* out;  ///< [num_tokens, num_heads, head_size], activation dtype
@@ -96,4 +97,4 @@ struct DecodeParams {
   CUtensorMap k_map, v_map, q_map;  // 64-byte aligned by their type
 };
 
-}  // namespace pagedattn::cuda::decode
+}  // namespace pagedattn::cuda::attn

@@ -1,6 +1,7 @@
-// The decode kernels' shared pieces (the prefill kernels use them too): the keys a query row
-// may see, a thread's row state and the shared-memory layout of a launch (the launch itself is
-// cuda/common/launch.cuh's). The map is kernel.cuh's.
+// What the paged attention kernels (decode, both prefill kernels) share on the device: log2
+// units, a CTA's work (request, KV head, rows, keys of its split), the keys a query row may see
+// and a thread's row state in the mma fragment layout. The maps are the kernels'
+// (decode/kernel.cuh, prefill/portable/kernel.cuh, prefill/sm90/kernel.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,13 +11,12 @@
 #include <type_traits>
 
 #include "cuda/arch/sm80/ptx.cuh"
+#include "cuda/attn_common/config.h"
+#include "cuda/attn_common/params.h"
 #include "cuda/common/check.h"
 #include "cuda/common/dtypes.cuh"
-#include "cuda/common/launch.cuh"
-#include "cuda/decode/config.h"
-#include "cuda/decode/params.h"
 
-namespace pagedattn::cuda::decode {
+namespace pagedattn::cuda::attn {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
@@ -32,16 +32,6 @@ __host__ __device__ constexpr int kv_elem_bytes(int dtype) {
              : (dtype == int(DType::kF16) || dtype == int(DType::kBF16) ? 2 : 1);
 }
 
-/// The shared-memory layout a launch of instance T uses for this problem.
-template <class T>
-__host__ __device__ constexpr SmemLayout layout_for(int head_size, int kv_dtype) {
-  if constexpr (T::kMma) {
-    return T::max_layout();
-  } else {
-    return smem_layout(head_size, kv_elem_bytes(kv_dtype), false, true, T::kWarps, T::kStages);
-  }
-}
-
 // The keys query row `row` (0-based inside the CTA) may see: [lo, hi), at absolute position pos.
 struct RowRange {
   int lo = 0, hi = 0, pos = 0;
@@ -53,7 +43,7 @@ struct Work {
   int split;             // which split (the partials' index) (prefill kernels)
 };
 
-__device__ __forceinline__ RowRange row_range(const DecodeParams& p, const Work& w, int row) {
+__device__ __forceinline__ RowRange row_range(const AttnParams& p, const Work& w, int row) {
   RowRange rr;
   const int i = (w.row0 + row) / p.group;  // query token of the packed row
   rr.pos = w.kv_len - w.q_len + i;
@@ -78,4 +68,4 @@ struct ThreadRow {
   float score2 = 0.0f, cap_arg = 0.0f;
 };
 
-}  // namespace pagedattn::cuda::decode
+}  // namespace pagedattn::cuda::attn
