@@ -124,19 +124,20 @@ def family_files():
 
     inc = [HEADER]
     for a, kv, d in PREFILL:
-        files[CUDA / "prefill" / "inst" / f"prefill_{a}_{kv}_d{d}.cu"] = instance_file(
-            "prefill", "kernel.cuh", f"PrefillOps<Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {d}>>")
+        files[CUDA / "prefill" / "inst" / f"portable_{a}_{kv}_d{d}.cu"] = instance_file(
+            "prefill", "portable/kernel.cuh",
+            f"PrefillOps<Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {d}>>")
         inc.append(f"#if PAGEDATTN_CUDA_HEAD_SIZE_{d}\n"
                    f"PAGEDATTN_PREFILL_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {d})\n#endif\n")
     for a, kv, d in PREFILL_SM90:
-        files[CUDA / "prefill" / "inst" / f"prefill_sm90_{a}_{kv}_d{d}.cu"] = instance_file(
-            "prefill", "sm90_kernel.cuh",
+        files[CUDA / "prefill" / "inst" / f"sm90_{a}_{kv}_d{d}.cu"] = instance_file(
+            "prefill", "sm90/kernel.cuh",
             f"PrefillSm90Ops<Sm90Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {d}>>")
         inc.append(f"#if PAGEDATTN_CUDA_HEAD_SIZE_{d}\n"
                    f"PAGEDATTN_PREFILL_SM90_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {d})\n#endif\n")
     for a, d in PREFILL_SM90_FP8:
-        files[CUDA / "prefill" / "inst" / f"prefill_sm90_fp8math_{a}_d{d}.cu"] = instance_file(
-            "prefill", "sm90_kernel.cuh",
+        files[CUDA / "prefill" / "inst" / f"sm90_fp8math_{a}_d{d}.cu"] = instance_file(
+            "prefill", "sm90/kernel.cuh",
             f"PrefillSm90Ops<Sm90Traits<DType::{DTYPE[a]}, KVKind::kFp8, {d}, true>>")
         inc.append(f"#if PAGEDATTN_CUDA_HEAD_SIZE_{d}\n"
                    f"PAGEDATTN_PREFILL_SM90_FP8_INSTANCE({DTYPE[a]}, {d})\n#endif\n")

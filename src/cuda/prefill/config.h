@@ -215,7 +215,7 @@ struct Sm90Traits {
       kHeadSize <= 64 && kKV == KVKind::kSame ? PAGEDATTN_SM90_STAGES_D64 : 2;
 #endif
   static constexpr int kSplitAlign = kBlockN;
-  static constexpr int kTableSlots = kStages + 1;  ///< the producer's row tables (sm90_kernel)
+  static constexpr int kTableSlots = kStages + 1;  ///< the producer's row tables (sm90/kernel.cuh)
   /// setmaxnreg budgets: 128 x 40 + 256 x 232 = 64512 <= 65536 registers.
 #ifdef PAGEDATTN_SM90_CONSUMER_REGS  // experiments: 240 with 24 for the producer
   static constexpr int kConsumerRegs = PAGEDATTN_SM90_CONSUMER_REGS;

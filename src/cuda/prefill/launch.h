@@ -32,13 +32,14 @@ struct PrefillKernel {
   int (*ctas_per_sm)(int device);
 };
 
-/// Defined in kernel.cuh, explicitly instantiated by inst/*.cu.
+/// Defined in portable/kernel.cuh, explicitly instantiated by inst/*.cu.
 template <class TraitsT>
 struct PrefillOps {
   static void launch(const attn::AttnParams& params, cudaStream_t stream);
   static int ctas_per_sm(int device);
 };
 
+/// Defined in sm90/kernel.cuh, explicitly instantiated by inst/*.cu.
 template <class TraitsT>
 struct PrefillSm90Ops {
   static void launch(const attn::AttnParams& params, cudaStream_t stream);
