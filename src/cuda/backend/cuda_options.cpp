@@ -6,8 +6,8 @@
 #include <string>
 
 #include "core/option_table.h"
+#include "cuda/attn_common/config.h"
 #include "cuda/backend/cuda_backend.h"
-#include "cuda/decode/launch.h"
 
 namespace pagedattn::cuda {
 
@@ -30,7 +30,7 @@ const std::vector<Field>& option_table() {
         "KV splits of every step (auto: the planner's choice per step; $PAGEDATTN_CUDA_SPLITS)",
         {{"auto", 0}},
         1,
-        decode::kMaxSplits},
+        attn::kMaxSplits},
        [](const BackendOptions& o) { return o.num_splits; },
        [](BackendOptions& o, int v) { o.num_splits = v; }},
       {{"prefill",

@@ -127,7 +127,7 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
     return;
   }
   decode_ = decode::find_decode(config.dtype, cache_dtype_, config.head_size);
-  combine_ = decode::find_combine(config.dtype);
+  combine_ = attn::find_combine(config.dtype);
   if (route_ != PrefillRoute::kOff) {
     // A quantised query over an e4m3 cache takes the fp8-product Hopper kernel where one is
     // compiled; otherwise the 16-bit kernels read the quantised query.
@@ -244,7 +244,7 @@ void CudaImpl::forward(const ForwardArgs& a) {
                         ") is served by the MLA latent kernel only (head size 576)");
 
   const auto* plan = dynamic_cast<const CudaPlan*>(a.plan);
-  decode::DecodeParams p{};
+  attn::AttnParams p{};
   p.q = a.query.data;
   p.q_stride_token = a.query.stride(0);
   p.q_stride_head = a.query.stride(1);
@@ -370,7 +370,7 @@ void CudaImpl::forward(const ForwardArgs& a) {
   const bool all = route_ == PrefillRoute::kAll;
   if (prefill_ != nullptr && (all || max_rows > prefill::kDecodeMaxRows)) {
     p.route_rows = all ? 0 : prefill::kDecodeMaxRows;
-    decode::DecodeParams pp = p;
+    attn::AttnParams pp = p;
     pp.num_q_tiles = int((max_rows + prefill_->block_m - 1) / prefill_->block_m);
     set_prefill_tma(pp, k, v, cached);
     set_prefill_q_tma(pp, a.query);
@@ -407,7 +407,7 @@ int CudaImpl::prefill_pair_group(const AttentionMetadata& md, bool dynamic) cons
   return int(std::clamp<int64_t>(budget / pair_bytes, floor, INT_MAX));
 }
 
-void CudaImpl::set_prefill_tma(decode::DecodeParams& p, const TensorView& k, const TensorView& v,
+void CudaImpl::set_prefill_tma(attn::AttnParams& p, const TensorView& k, const TensorView& v,
                                bool cached) const {
   p.kv_tma = 0;
   const int tile = prefill_->tma_tile;
@@ -457,11 +457,11 @@ void CudaImpl::set_prefill_tma(decode::DecodeParams& p, const TensorView& k, con
   }
 }
 
-void CudaImpl::set_prefill_q_tma(decode::DecodeParams& p, const TensorView& query) const {
+void CudaImpl::set_prefill_q_tma(attn::AttnParams& p, const TensorView& query) const {
   p.q_tma = 0;
   // Only the Hopper kernel over a 16-bit cache takes it (prefill::kQTma); p.q is still the
   // caller's query (query_quant replaces it with its fp8 copy).
-  if (!prefill_tma_ || prefill_->sm != 90 || prefill_->kv != decode::KVKind::kSame ||
+  if (!prefill_tma_ || prefill_->sm != 90 || prefill_->kv != attn::KVKind::kSame ||
       prefill_->fp8_math || p.q != query.data) {
     return;
   }

@@ -43,21 +43,47 @@
 
 #include "cuda/arch/sm80/ptx.cuh"
 #include "cuda/arch/sm90/bulk_copy.cuh"
+#include "cuda/attn_common/common.cuh"
+#include "cuda/attn_common/fp8.cuh"
+#include "cuda/attn_common/params.h"
 #include "cuda/common/check.h"
 #include "cuda/common/dtypes.cuh"
-#include "cuda/decode/common.cuh"
+#include "cuda/common/launch.cuh"
 #include "cuda/decode/config.h"
-#include "cuda/decode/fp8.cuh"
 #include "cuda/decode/launch.h"
-#include "cuda/decode/params.h"
 #include "cuda/decode/softmax.cuh"
 #include "cuda/decode/store.cuh"
+#include "cuda/decode/widen.cuh"
 
 namespace pagedattn::cuda::decode {
 
+using attn::AttnParams;
+using attn::bf16x2_to_f16x2;
+using attn::bf16x8_abs_max_bits;
+using attn::ceil_div;
+using attn::fp8x2_f16;
+using attn::kLog2e;
+using attn::kv_elem_bytes;
+using attn::pow2f;
+using attn::q_row_shift;
+using attn::row_range;
+using attn::RowRange;
+using attn::ThreadRow;
+using attn::Work;
+
+/// The shared-memory layout a launch of instance T uses for this problem.
+template <class T>
+__host__ __device__ constexpr SmemLayout layout_for(int head_size, int kv_dtype) {
+  if constexpr (T::kMma) {
+    return T::max_layout();
+  } else {
+    return smem_layout(head_size, kv_elem_bytes(kv_dtype), false, true, T::kWarps, T::kStages);
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
-    decode_kernel(const __grid_constant__ DecodeParams p) {
+    decode_kernel(const __grid_constant__ AttnParams p) {
   static_assert(T::kStages >= 2, "the pipeline needs two stages");
   constexpr int kWarps = T::kWarps;
   // Columns of O per thread: head_size / 8 n tiles of 8 (the generic kernel sizes for the max).
@@ -680,7 +706,7 @@ void prepare_decode(int device) {
 }
 
 template <class T>
-void DecodeOps<T>::launch(const DecodeParams& p, cudaStream_t stream, bool pdl) {
+void DecodeOps<T>::launch(const AttnParams& p, cudaStream_t stream, bool pdl) {
   const dim3 grid(unsigned(p.num_seqs) * unsigned(p.num_kv_heads) * unsigned(p.num_q_tiles),
                   unsigned(p.num_splits));
   if (grid.x == 0 || grid.y == 0) return;

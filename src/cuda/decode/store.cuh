@@ -1,5 +1,4 @@
-// The decode kernels' final rows: sinks, v scale, output and LSE (the attention and combine
-// kernels). The map is kernel.cuh's.
+// The decode kernel's final rows: sinks, v scale, output and LSE. The map is kernel.cuh's.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,18 +8,22 @@
 #include <type_traits>
 
 #include "cuda/arch/sm80/ptx.cuh"
+#include "cuda/attn_common/common.cuh"
+#include "cuda/attn_common/params.h"
 #include "cuda/common/check.h"
 #include "cuda/common/dtypes.cuh"
-#include "cuda/decode/common.cuh"
 #include "cuda/decode/config.h"
-#include "cuda/decode/params.h"
 
 namespace pagedattn::cuda::decode {
 
-// Final rows: sinks, v scale, output and LSE (also used by the combine kernel). `o8` holds 8
-// normalised, v-scaled values of row (t, h) starting at column c8 * 8.
+using attn::AttnParams;
+using attn::kLn2;
+using attn::kLog2e;
+
+// Final rows: sinks, v scale, output and LSE. `o8` holds 8 normalised, v-scaled values of row
+// (t, h) starting at column c8 * 8.
 template <DType kAct>
-__device__ __forceinline__ void store_final(const DecodeParams& p, int t, int h, int c8,
+__device__ __forceinline__ void store_final(const AttnParams& p, int t, int h, int c8,
                                             float (&o8)[8], float lse2) {
   if (p.sinks != nullptr) {
     // The sink joins the denominator only: out *= e^lse / (e^lse + e^sink).
