@@ -49,15 +49,15 @@ PREFILL_SM90 = [(a, kv, d) for a in ["f16", "bf16"] for kv in ["same", "fp8"]
 # (k steps of 32 bytes: head sizes that are multiples of 32 within one 128-byte panel).
 PREFILL_SM90_FP8 = [(a, d) for a in ["f16", "bf16"] for d in [64, 96, 128]]
 # MLA decode (sm_90a wgmma): 16-bit activations over a latent cache of the same type or fp8
-# e4m3, one latent head of 576, the consumer warpgroups' division of a tile ("": redundant S,
-# "split_s", "seesaw": 16-bit caches only, it needs two stages; "swap_ab" / "swap_ab_32": 16- /
-# 32-row CTAs with the products transposed); its own split combine (576 columns) per activation.
+# e4m3, one latent head of 576, the consumer warpgroups' division of a tile ("split_s",
+# "seesaw": 16-bit caches only, it needs two stages; "swap_ab" / "swap_ab_32": 16- / 32-row
+# CTAs with the products transposed); its own split combine (576 columns) per activation.
 MLA = [(a, kv, v) for a in ["f16", "bf16"] for kv in ["same", "fp8"]
-       for v in ["", "split_s", "split_s_512", "seesaw", "swap_ab", "swap_ab_32"]
+       for v in ["split_s", "split_s_512", "seesaw", "swap_ab", "swap_ab_32"]
        if not (kv == "fp8" and v == "seesaw")]
 # variant: (consumer, output columns: 576 = kEntry, the generic contract; 512 = kLatent, what
 # MLAAttention up-projects: split-S then leaves out P k_pe and merges its splits in a cluster)
-MLA_CONSUMER = {"": ("kRedundant", "kEntry"), "split_s": ("kSplitS", "kEntry"),
+MLA_CONSUMER = {"split_s": ("kSplitS", "kEntry"),
                 "split_s_512": ("kSplitS", "kLatent"), "seesaw": ("kSeesaw", "kLatent"),
                 "swap_ab": ("kSwapAB", "kLatent"), "swap_ab_32": ("kSwapAB32", "kLatent")}
 MLA_COMBINE = ["f16", "bf16"]
@@ -146,7 +146,7 @@ def family_files():
     inc = [HEADER]
     for a, kv, v in MLA:
         consumer, cols = MLA_CONSUMER[v]
-        files[CUDA / "mla" / "inst" / f"mla_{a}_{kv}{'_' + v if v else ''}.cu"] = instance_file(
+        files[CUDA / "mla" / "inst" / f"mla_{a}_{kv}_{v}.cu"] = instance_file(
             "mla", "kernel.cuh",
             f"MlaOps<Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, Consumer::{consumer}, {cols}>>")
         inc.append(f"PAGEDATTN_MLA_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {consumer}, {cols})\n")

@@ -13,7 +13,6 @@ namespace pagedattn::cuda::mla {
 enum class KVKind : uint8_t { kSame, kFp8 };
 
 /// How the two consumer warpgroups share a tile's work (kernel.cuh's map has the details).
-///   kRedundant: both compute the whole S and softmax (a comparison);
 ///   kSplitS: each computes S for half of the keys, P goes through shared memory;
 ///   kSeesaw: each owns alternate tiles (whole S, softmax, P to shared memory) and half of O;
 ///     16-bit caches only (it needs two stages);
@@ -24,7 +23,7 @@ enum class KVKind : uint8_t { kSame, kFp8 };
 ///     warpgroup the softmax of 16 of them, S^T's rows split between the warpgroups over a
 ///     16-bit cache (no partial sums to exchange), its k steps over fp8; O^T's columns too;
 ///   kAuto: what find_mla() picks for the cache kind and head count (never a Traits parameter).
-enum class Consumer : uint8_t { kAuto, kRedundant, kSplitS, kSeesaw, kSwapAB, kSwapAB32 };
+enum class Consumer : uint8_t { kAuto, kSplitS, kSeesaw, kSwapAB, kSwapAB32 };
 constexpr bool is_swap_ab(Consumer c) {
   return c == Consumer::kSwapAB || c == Consumer::kSwapAB32;
 }
@@ -68,7 +67,7 @@ constexpr int merge_bytes(int rows) {
   return most;
 }
 /// The output columns a consumer computes unless its instance says otherwise: the seesaw and
-/// swap AB the 512 latent columns (what MLAAttention up-projects), the others all 576 (the
+/// swap AB the 512 latent columns (what MLAAttention up-projects), split-S all 576 (the
 /// generic contract: 512..575 = P k_pe).
 constexpr int default_out_cols(Consumer c) {
   return c == Consumer::kSeesaw || is_swap_ab(c) ? kLatent : kEntry;
@@ -139,19 +138,13 @@ constexpr int o_column(int cw, int n, int w, int g, int h8) {
   return 256 * cw + 64 * w + 8 * g + 2 * n + h8;
 }
 /// 16-bit cache: two 16-bit stages (Q 72 KB + 2 x 72 KB = 216 KB). fp8: split-S the same two
-/// stages with the raw tiles in place (raw_in_stage_for); the redundant consumer one 16-bit
-/// stage and two raw fp8 tiles (72 + 72 + 2 x 36 KB): the raw copies of the next tiles stay in
-/// flight while the consumers widen the current one into the stage. Swap AB over fp8: no stage,
-/// five raw slots (16 rows) or four (32 rows; frags_from_raw_for).
+/// stages with the raw tiles in place (raw_in_stage_for); swap AB no stage, five raw slots (16
+/// rows) or four (32 rows; frags_from_raw_for).
 constexpr int stages_for(KVKind kv, Consumer c) {
-  return frags_from_raw_for(kv, c)                                         ? 0
-         : kv == KVKind::kSame || is_swap_ab(c) || raw_in_stage_for(kv, c) ? 2
-                                                                           : 1;
+  return frags_from_raw_for(kv, c) ? 0 : 2;
 }
 constexpr int raw_slots_for(KVKind kv, Consumer c) {
-  return kv == KVKind::kSame || raw_in_stage_for(kv, c) ? 0
-         : frags_from_raw_for(kv, c)                    ? (c == Consumer::kSwapAB ? 5 : 4)
-                                                        : 2;
+  return frags_from_raw_for(kv, c) ? (c == Consumer::kSwapAB ? 5 : 4) : 0;
 }
 /// The ring the producer fills and the `full` / `empty` barriers count: the 16-bit stages (also
 /// fp8 in place), or for fp8 the raw slots (the consumers widen a slot into a stage themselves:
@@ -190,7 +183,6 @@ constexpr SwapXchg swap_xchg_for(KVKind kv, Consumer c) {
 }
 
 constexpr Layout layout_for(KVKind kv, Consumer c) {
-  const bool shares_p = c != Consumer::kRedundant;
   const bool swap32 = c == Consumer::kSwapAB32;
   Layout s;
   s.q_panel = block_m_for(c) * 128;
@@ -206,23 +198,19 @@ constexpr Layout layout_for(KVKind kv, Consumer c) {
   s.p_offset = stages_end + raw_slots_for(kv, c) * s.raw_bytes;
   // 32 rows over a 16-bit cache: P^T in two buffers (a warpgroup may still read tile j - 1's).
   const int p_bufs = swap32 && !frags_from_raw_for(kv, c) ? 2 : 1;
-  s.table_offset = s.p_offset + (shares_p ? p_bufs * block_m_for(c) * 128 : 0);
+  s.table_offset = s.p_offset + p_bufs * block_m_for(c) * 128;
   s.xchg_offset = s.table_offset + 2 * kBlockN * 8;
-  s.bar_offset = s.xchg_offset + (is_swap_ab(c) ? swap_xchg_for(kv, c).bytes
-                                  : shares_p    ? 2 * kBlockM * 4
-                                                : 0);
+  s.bar_offset = s.xchg_offset + (is_swap_ab(c) ? swap_xchg_for(kv, c).bytes : 2 * kBlockM * 4);
   s.total = s.bar_offset + (1 + 2 * ring_for(kv, c) * halves_for(c)) * 8 + 1024;
   return s;
 }
 
-/// One compiled MLA kernel. kC = kSplitS (the default for fp8 caches and up to 64 heads,
-/// measured faster on the H200 than kRedundant: h16 0.78 vs 0.57 of the copy rate, h128 377 vs
-/// 287 TFLOP/s): each consumer
-/// warpgroup computes S for 32 of the 64 keys, the row maxima and P go through shared memory,
-/// and both run P V over the whole tile from there, so S is computed once (FlashMLA's
-/// division). kRedundant (PAGEDATTN_CUDA_MLA=redundant): both compute the whole S of a tile.
-/// kSeesaw (PAGEDATTN_CUDA_MLA=seesaw; the default for 16-bit caches above 64 heads, see
-/// default_consumer()): FlashMLA's schedule, see kernel.cuh.
+/// One compiled MLA kernel. kC = kSplitS (the default for fp8 caches and up to 64 heads): each
+/// consumer warpgroup computes S for 32 of the 64 keys, the row maxima and P go through shared
+/// memory, and both run P V over the whole tile from there, so S is computed once (FlashMLA's
+/// division). kSeesaw (the default for 16-bit caches above 64 heads, see default_consumer()):
+/// FlashMLA's schedule; kSwapAB / kSwapAB32: auto's kernels for steps of few rows a request
+/// (mla_for_step); see kernel.cuh.
 template <DType kAct, KVKind kKV, Consumer kC, int kOutColsT = default_out_cols(kC)>
 struct Traits {
   static constexpr DType act = kAct;
@@ -244,16 +232,13 @@ struct Traits {
   /// computed all 64, a fifth of each one's P V), 576 computes it.
   static constexpr int kOutCols = kOutColsT;
   static_assert(kOutCols == kEntry || kOutCols == kLatent);
-  static_assert(kOutCols == kEntry || kC != Consumer::kRedundant, "redundant computes 576");
   static_assert(kOutCols == kLatent || default_out_cols(kC) == kEntry,
                 "the seesaw and swap AB compute the 512 latent columns only");
   /// The splits of a (request, M tile) can merge inside a cluster (cluster_merge.cuh: the 512
   /// latent columns, in the freed K/V stages).
   static constexpr bool kClusterMerge =
       kOutCols == kLatent && (is_swap_ab(kC) || kC == Consumer::kSplitS);
-  /// Warpgroup 0 produces; warpgroups 1 and 2 each compute the same S and softmax and
-  /// accumulate their own 256 of the 512 kv_c columns, plus (both, redundantly) the 64 k_pe
-  /// columns: 160 fp32 accumulators per thread.
+  /// Warpgroup 0 produces; warpgroups 1 and 2 consume (the division above).
   static constexpr int kThreads = 384;
   /// setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 <= 65536 registers; 128 x 40 + 256 x 232
   /// with -DPAGEDATTN_MLA_TRACE_PRODUCER, where the producer keeps trace.cuh's records.
@@ -264,9 +249,7 @@ struct Traits {
 #endif
   static constexpr int kProducerRegs = kWideProducer ? 40 : 24;
   static constexpr int kConsumerRegs = kWideProducer ? 232 : 240;
-  static constexpr Layout layout() {
-    return layout_for(kKV, kC);
-  }
+  static constexpr Layout layout() { return layout_for(kKV, kC); }
   static_assert(layout().total <= kMaxSmemPerCta);
   static_assert(layout().p_offset % 1024 == 0, "P is a swizzled wgmma operand");
   static_assert(!kClusterMerge || merge_bytes(kBlockM) <= layout().p_offset - layout().stage_offset,

@@ -22,18 +22,12 @@
 //             and block, issued by thread 0 with the tile's byte count, L2 evict-first). fp8
 //             caches: the raw tile lands in natural order, which the consumers widen into a
 //             16-bit stage (widen.cuh): split-S's raw tile in the back half of that stage
-//             itself (two stages; tile j + 1 widened while tile j's P V runs), the redundant
-//             consumer's in one of two slots beside its one 16-bit stage; swap AB's in five
+//             itself (two stages; tile j + 1 widened while tile j's P V runs); swap AB's in five
 //             slots (16 rows) or four (32), chunk q of key r at q ^ raw_chunk_swizzle(r), read
-//             by the consumers straight into their A fragments.
-//   redundant (PAGEDATTN_CUDA_MLA=redundant, kept as a comparison: 1.2-1.4x slower on the
-//             H200) warpgroups 1 and 2 (consumers, 240 registers) both compute the same S (wgmma
-//             SS, m64n64k16, 36 k steps) and softmax, then each accumulates O += P V for its 256 of
-//             the 512 kv_c columns (wgmma RS, m64n256k16, V MN-major = panels 4 cw .. 4 cw
-//             + 3 of the same tile) and for the 64 k_pe columns (m64n64k16, panel 8; both
-//             warpgroups, warpgroup 1 stores them): 160 fp32 accumulators per thread.
-//   split-S   (Consumer::kSplitS: the default for fp8 caches and up to 64 heads;
-//             PAGEDATTN_CUDA_MLA=split-s) warpgroup c
+//             by the consumers straight into their A fragments. Warpgroups 1 and 2 consume (240
+//             registers each), dividing a tile's work as one of these (the cuda option
+//             mla_consumer forces one; auto picks per step, mla_for_step):
+//   split-S   (Consumer::kSplitS: the default for fp8 caches and up to 64 heads) warpgroup c
 //             computes S only for keys 32 c .. 32 c + 31 (m64n32k16), the two
 //             exchange row maxima through shared memory (named barrier 2), each writes its
 //             half of P (16-bit) into one swizzled 64 x 64 panel, and both run O += P V with P
@@ -42,8 +36,8 @@
 //             rescaling) and are added at the end. Two instances per cache kind: 576 output
 //             columns (both warpgroups also compute P k_pe, m64n64k16) and 512 (without it, a
 //             fifth less P V per warpgroup; auto's choice wherever the output is the latent).
-//   seesaw    (Traits::consumer kSeesaw, 16-bit caches; PAGEDATTN_CUDA_MLA=seesaw; FlashMLA's
-//             schedule) warpgroup c owns the tiles j = c (mod 2): it computes their whole S
+//   seesaw    (Traits::consumer kSeesaw, 16-bit caches; FlashMLA's schedule) warpgroup c owns the
+//   tiles j = c (mod 2): it computes their whole S
 //             (m64n64k16 SS, not smem-bound as split-S's n32 is) and softmax and writes P_j to the
 //             P panel; it owns O's kv_c columns 256 c .. 256 c + 255 (no k_pe columns: the seesaw's
 //             output is the 512 latent columns) for every tile: O += P_j V_j from registers (RS)
@@ -57,7 +51,7 @@
 //             stage has its own full / empty barriers, freed by its reader and refilled (owner's
 //             half first) while the other half is still read. The default above 64 heads.
 //   swap AB   (Consumer::kSwapAB: auto's kernel for steps of at most 16 packed rows a request,
-//             i.e. 16 heads x 1 token; PAGEDATTN_CUDA_MLA=swap-ab) CTAs of 16 rows (Q's panels
+//             i.e. 16 heads x 1 token) CTAs of 16 rows (Q's panels
 //             16 rows), the products transposed so that the rows are N = 16: S^T = K Q^T
 //             (m64n16k16 SS, the stage and Q as they are), warpgroup c's partial over k steps
 //             18 c .. 18 c + 17, the partials swapped through shared memory (thread ct of both
@@ -73,7 +67,7 @@
 //             flight; tile j's S^T fragments are built under tile j - 1's O^T, its O^T fragments
 //             under its S^T.
 //   swap AB 32 (Consumer::kSwapAB32: auto's kernel for steps of 17-32 packed rows a request,
-//             16 heads x 2 tokens or 32 heads x 1; PAGEDATTN_CUDA_MLA=swap-ab-32) the same with
+//             16 heads x 2 tokens or 32 heads x 1) the same with
 //             32-row CTAs, warpgroup c's softmax the rows 16 c .. 16 c + 15, each row's rescale
 //             passed to the other warpgroup, whose O^T (m64n32k16) holds all 32 rows. 16-bit
 //             caches: warpgroup c's S^T those rows over all 36 k steps (no partial sums), P^T in
@@ -92,12 +86,12 @@
 //             the async proxy after a `full` wait, before their wgmmas read what the generic proxy
 //             (cp.async, st.shared) wrote.
 //   budget    smem 218 KB (config.h): Q 72 KB + two 16-bit stages of 72 KB (fp8 split-S too,
-//             the raw tiles inside them), or (fp8, redundant) one stage and two raw fp8 tiles of
-//             36 KB; swap AB ~210 KB: Q 18 KB + two stages (over fp8 five raw slots)
-//             + its exchange buffers; swap AB 32 over fp8 195 KB: Q 36 KB, four raw
+//             the raw tiles inside them); swap AB ~210 KB: Q 18 KB + two stages (over fp8 five
+//             raw slots) + its exchange buffers; swap AB 32 over fp8 195 KB: Q 36 KB, four raw
 //             slots, one 4 KB P^T buffer, 8 KB of partial sums. One CTA per SM.
-//   test      backend_ops --device cuda --filter mla (float64 reference, poisoned outputs);
-//             bench/gpu/bench_mla; docs/kernel_notes.md "mla decode".
+//   test      backend_ops --device cuda --filter mla (float64 reference, poisoned outputs), with
+//             --cuda-option mla_consumer=<each> (ctest -L gpu); bench/gpu/bench_mla;
+//             docs/kernels/mla.md.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -109,7 +103,6 @@
 #include "cuda/common/check.h"
 #include "cuda/mla/common.cuh"
 #include "cuda/mla/config.h"
-#include "cuda/mla/consume_redundant.cuh"
 #include "cuda/mla/consume_seesaw.cuh"
 #include "cuda/mla/consume_split_s.cuh"
 #include "cuda/mla/consume_swap_ab.cuh"
@@ -158,10 +151,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) mla_kernel(const __grid_consta
     consume_split_s<T>(p, w, smem, bars, n_tiles);
   } else if constexpr (T::consumer == Consumer::kSeesaw) {
     consume_seesaw<T>(p, w, smem, bars, n_tiles);
-  } else if constexpr (is_swap_ab(T::consumer)) {
-    consume_swap_ab<T>(p, w, smem, bars, n_tiles);
   } else {
-    consume<T>(p, w, smem, bars, n_tiles);
+    static_assert(is_swap_ab(T::consumer));
+    consume_swap_ab<T>(p, w, smem, bars, n_tiles);
   }
 }
 

@@ -36,8 +36,6 @@ const std::vector<MlaCombineKernel>& mla_combine_kernels() {
 
 const char* consumer_name(Consumer c) {
   switch (c) {
-    case Consumer::kRedundant:
-      return "redundant";
     case Consumer::kSplitS:
       return "split-s";
     case Consumer::kSeesaw:

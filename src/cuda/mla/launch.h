@@ -48,7 +48,7 @@ struct MlaCombineOps {
 const std::vector<MlaKernel>& mla_kernels();
 const std::vector<MlaCombineKernel>& mla_combine_kernels();
 
-/// The PAGEDATTN_CUDA_MLA spelling of `c` ("auto", "redundant", "split-s", "seesaw", "swap-ab",
+/// The spelling of `c` in the cuda option mla_consumer ("auto", "split-s", "seesaw", "swap-ab",
 /// "swap-ab-32").
 const char* consumer_name(Consumer c);
 /// The consumer division kAuto means for a cache kind and head count (the measured-fastest

@@ -1,13 +1,11 @@
-// fp8 latent caches: the consumers widen each raw tile into the 16-bit stage themselves. See
-// kernel.cuh's map.
+// fp8 latent caches, split-S: the consumers widen each raw tile into the 16-bit stage it landed
+// in themselves. See kernel.cuh's map.
 //
-// Why the consumers: the stage is single (two 16-bit stages do not fit beside Q and the raw
-// slots), so a tile's widening runs while nobody computes. The producer's 4 warps took ~1.3 us
-// per tile for it ([H100] 80 of 247 us at h16 b64 c8192; the consumers' chain alone, with
-// neither loads nor widening, 166 us); the consumers' 8 warps, each thread with all nine
-// chunks of its row loaded before it converts any, made the fp8 cache 15-17% faster
-// (2026-12-06-h100-mla-fp8-consumer-widen.txt). Loading the next tile's chunks while P V runs
-// was 1-2% slower than loading them here.
+// Why the consumers: the producer's 4 warps took ~1.3 us per tile for it ([H100] 80 of 247 us
+// at h16 b64 c8192; the consumers' chain alone, with neither loads nor widening, 166 us); the
+// consumers' 8 warps, each thread with all nine chunks of its row loaded before it converts
+// any, made the fp8 cache 15-17% faster. Loading the next tile's chunks while P V runs was 1-2%
+// slower than loading them here.
 #pragma once
 
 #include <cstdint>
@@ -20,12 +18,11 @@
 
 namespace pagedattn::cuda::mla {
 
-/// Tile j's raw fp8 rows (slot j % kRing, [64 keys][576 bytes] natural order) widened into
-/// stage j % kStages's nine swizzled panels by the 256 consumer threads: thread u (0 .. 255) takes
-/// row u / 4, raw chunks u % 4 + 4 k (k < 9; chunk k is in panel k), so warpgroup c writes keys 32
-/// c .. 32 c + 31. An own slot is released to the producer (tile j + kRawSlots) as soon as the
-/// chunks are in registers; a raw tile in its stage (T::kRawInStage) is overwritten by the
-/// widened panels once all 256 threads hold their chunks (named barrier `all_bar`), and the
+/// Tile j's raw fp8 rows ([64 keys][576 bytes] natural order, in the back half of stage
+/// j % kStages: T::kRawInStage) widened into that stage's nine swizzled panels by the 256
+/// consumer threads: thread u (0 .. 255) takes row u / 4, raw chunks u % 4 + 4 k (k < 9; chunk k
+/// is in panel k), so warpgroup c writes keys 32 c .. 32 c + 31. The raw tile is overwritten by
+/// the widened panels once all 256 threads hold their chunks (named barrier `all_bar`), and the
 /// stage is released by its P V.
 /// On entry both warpgroups must be past every read of the stage (tile j - kStages's P V). On
 /// return the rows are ready for the wgmmas of the `bar_threads` threads synced on named barrier
@@ -35,7 +32,7 @@ template <class T>
 __device__ __forceinline__ void widen_tile(unsigned char* smem, Barriers<T::kRing, T::kHalves> bars,
                                            int j, int u, int bar, int bar_threads,
                                            int all_bar = -1) {
-  static_assert(T::kv == KVKind::kFp8 && T::kRing == (T::kRawInStage ? T::kStages : T::kRawSlots));
+  static_assert(T::kv == KVKind::kFp8 && T::kRawInStage && T::kRing == T::kStages);
   constexpr Layout lay = T::layout();
   const int slot = j % T::kRing, row = u / 4, lane_col = u % 4;
   mbar_wait(bars.full(slot), uint32_t((j / T::kRing) & 1));
@@ -44,11 +41,7 @@ __device__ __forceinline__ void widen_tile(unsigned char* smem, Barriers<T::kRin
   uint4 v[kPanels];
 #pragma unroll
   for (int k = 0; k < kPanels; ++k) v[k] = *reinterpret_cast<const uint4*>(raw + k * 64);
-  if constexpr (T::kRawInStage) {
-    sm90::named_barrier_sync(all_bar, 256);  // every raw chunk read before any is overwritten
-  } else {
-    ptx::mbarrier_arrive(bars.empty(slot));
-  }
+  sm90::named_barrier_sync(all_bar, 256);  // every raw chunk read before any is overwritten
 
   unsigned char* const stage = smem + lay.stage_offset + (j % T::kStages) * lay.stage_bytes;
 #pragma unroll
