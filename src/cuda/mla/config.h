@@ -240,15 +240,9 @@ struct Traits {
       kOutCols == kLatent && (is_swap_ab(kC) || kC == Consumer::kSplitS);
   /// Warpgroup 0 produces; warpgroups 1 and 2 consume (the division above).
   static constexpr int kThreads = 384;
-  /// setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 <= 65536 registers; 128 x 40 + 256 x 232
-  /// with -DPAGEDATTN_MLA_TRACE_PRODUCER, where the producer keeps trace.cuh's records.
-#ifdef PAGEDATTN_MLA_TRACE_PRODUCER
-  static constexpr bool kWideProducer = true;
-#else
-  static constexpr bool kWideProducer = false;
-#endif
-  static constexpr int kProducerRegs = kWideProducer ? 40 : 24;
-  static constexpr int kConsumerRegs = kWideProducer ? 232 : 240;
+  /// setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 <= 65536 registers.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
   static constexpr Layout layout() { return layout_for(kKV, kC); }
   static_assert(layout().total <= kMaxSmemPerCta);
   static_assert(layout().p_offset % 1024 == 0, "P is a swizzled wgmma operand");

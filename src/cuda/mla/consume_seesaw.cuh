@@ -12,7 +12,6 @@
 #include "cuda/mla/common.cuh"
 #include "cuda/mla/softmax.cuh"
 #include "cuda/mla/store.cuh"
-#include "cuda/mla/trace.cuh"
 
 namespace pagedattn::cuda::mla {
 
@@ -40,7 +39,6 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
   const int row_a = 16 * warp + g;
 
   const RowBounds bounds = row_bounds(p, w, row_a);
-  PAGEDATTN_MLA_TRACE_BEGIN(tr, 1 + kC);
 
   float o[32][4];  // kv_c columns 256 kC + 8 i + 2 t4 + {0, 1}, rows row_a, row_a + 8
 #pragma unroll
@@ -86,7 +84,6 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
       }
     };
     wait_half(j, kC);
-    PAGEDATTN_MLA_TRACE_AT(tr, 5, j);
     sm90::fence_operands(sacc);
     sm90::wgmma_fence();
     steps(4 * kMine0, 4 * kMine1, true);
@@ -94,7 +91,6 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
     // the wait's divergent path and serialise the wgmmas (C7520).
     sm90::wgmma_commit();
     wait_half(j, kOther);
-    PAGEDATTN_MLA_TRACE_AT(tr, 6, j);
     sm90::fence_operands(sacc);
     sm90::wgmma_fence();
     if constexpr (kC == 0) {
@@ -141,13 +137,10 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
   // completed phase, so that this warpgroup itself observes the copies).
   auto join_other = [&](int j) {
     sm90::named_barrier_sync(kBarMax + kOther, 256);
-    PAGEDATTN_MLA_TRACE_AT(tr, 2, j + 1);
     const float m_j[2] = {xchg[kOther * kBlockM + row_a], xchg[kOther * kBlockM + row_a + 8]};
     move_to(m_j);
     sm90::named_barrier_sync(kBarP + kOther, 256);
-    PAGEDATTN_MLA_TRACE_AT(tr, 3, j + 1);
     wait_half(j, kC);
-    PAGEDATTN_MLA_TRACE_AT(tr, 4, j + 1);
     issue_pv(j, std::false_type{});
   };
   // Own tile j, S done: mask, the chain's new maxima (published at once: the other warpgroup's
@@ -199,30 +192,23 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
   for (; j < n_tiles; j += 2) {
     // This warpgroup's P V of tile j - 2 done: its half of the stage is freed before tile j
     // is awaited (the producer refills it only when it is free).
-    PAGEDATTN_MLA_TRACE_AT(tr, 0, j);
     sm90::wgmma_wait<0>();
     keep_pa();
     fence_o();
     if (j >= 2) release(j - 2);
-    PAGEDATTN_MLA_TRACE_AT(tr, 1, j);
     float sacc[kSn][4], m_new[2], sum[2];
     // The other's P V before S_j: its half of tile j - 1 frees ~one S earlier, and the
     // producer refills it sooner ([H100] 1.5-3.5% at 128 heads over S_j first).
     join_other(j - 1);
     issue_s(sacc, j);
     sm90::wgmma_wait<2>();  // P_{j-1} V done; S_j's two groups still run
-    PAGEDATTN_MLA_TRACE_AT(tr, 7, j);
     fence_o();
     release(j - 1);
     sm90::wgmma_wait<0>();
-    PAGEDATTN_MLA_TRACE_AT(tr, 8, j);
     sm90::fence_operands(sacc);
     softmax(sacc, j, m_new, sum);
-    PAGEDATTN_MLA_TRACE_AT(tr, 9, j);
     publish_p(sacc, m_new, sum);
-    PAGEDATTN_MLA_TRACE_AT(tr, 10, j);
     issue_pv(j, std::true_type{});
-    PAGEDATTN_MLA_TRACE_AT(tr, 11, j);
   }
   sm90::wgmma_wait<0>();
   keep_pa();
@@ -239,7 +225,6 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
   // panel, free once both are past their last P V.
   add_other_row_sums(l, reinterpret_cast<float*>(p_tile), kC, ct);
   store_rows<T>(p, w, o, m_ref, l, row_a, t4, kC);
-  PAGEDATTN_MLA_TRACE_PRINT(tr);
 }
 
 template <class T>

@@ -12,7 +12,6 @@
 #include "cuda/arch/sm90/wgmma.cuh"
 #include "cuda/common/dtypes.cuh"
 #include "cuda/mla/common.cuh"
-#include "cuda/mla/trace.cuh"
 
 namespace pagedattn::cuda::mla {
 
@@ -124,21 +123,17 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
     using P0 = std::integral_constant<int, 0>;
     using PH = std::integral_constant<int, T::kHalves == 2 ? kHalfPanel : kPanels>;
     using P9 = std::integral_constant<int, kPanels>;
-    PAGEDATTN_MLA_TRACE_BEGIN(tr, 0);
     for (int j = 0; j < n_tiles; ++j) {
       const int s = j % kStages;
-      PAGEDATTN_MLA_TRACE_AT(tr, 0, j);
       const int64_t* table = publish(j, next_off);
-      PAGEDATTN_MLA_TRACE_AT(tr, 1, j);
       next_off = lookup(j + 1);
       unsigned char* const stage = smem + lay.stage_offset + s * lay.stage_bytes;
       const bool tma = p.kv_tma && w.kv_begin + (j + 1) * kBlockN <= w.kv_end;
       // Half h = panels [k0, k1) of the tile: wait until its readers freed it, then bring it.
       // The seesaw's owner of tile j (warpgroup j % 2) frees its half of tile j - 2 first.
-      auto bring = [&](int h, auto k0, auto k1, [[maybe_unused]] int ev) {
+      auto bring = [&](int h, auto k0, auto k1) {
         constexpr int kFirst = decltype(k0)::value, kEnd = decltype(k1)::value;
         mbar_wait(bars.empty(s, h), ((j / kStages) & 1) ^ 1);  // tile j - kStages released
-        PAGEDATTN_MLA_TRACE_AT(tr, ev, j);
         if (tma) {
           if (ct == 0) {
             ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
@@ -162,20 +157,18 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
                     k1);
           ptx::cp_async_mbarrier_arrive_noinc(bars.full(s, h));
         }
-        PAGEDATTN_MLA_TRACE_AT(tr, ev + 1, j);
       };
       if constexpr (T::kHalves == 1) {
-        bring(0, P0{}, P9{}, 2);
+        bring(0, P0{}, P9{});
       } else if ((j & 1) == 0) {
-        bring(0, P0{}, PH{}, 2);
-        bring(1, PH{}, P9{}, 4);
+        bring(0, P0{}, PH{});
+        bring(1, PH{}, P9{});
       } else {
-        bring(1, PH{}, P9{}, 2);
-        bring(0, P0{}, PH{}, 4);
+        bring(1, PH{}, P9{});
+        bring(0, P0{}, PH{});
       }
     }
     sm80::cp_async_wait<0>();  // nothing in flight when the warpgroup exits
-    PAGEDATTN_MLA_TRACE_PRINT(tr);
   } else {
     // Raw fp8 rows (576 bytes, 36 chunks) into slot j % kRing in natural order (its own slot,
     // or the back half of stage j % kRing: T::kRawInStage), once the consumers are done with the
