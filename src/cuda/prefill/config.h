@@ -69,11 +69,7 @@ struct Traits {
   /// kernel in 255 registers without spilling, else 32. [ptxas, bf16, 64 -> 32 keys] d80: 40
   /// -> 0 bytes spilled, d96: 112 -> 0, d128: 176 -> 32, d256: 336 -> 0; d64 and d192 spill
   /// nothing (4 bytes at d192) with 64.
-#ifdef PAGEDATTN_PREFILL_BLOCK_N  // experiments: one tile width for every instance
-  static constexpr int kBlockN = PAGEDATTN_PREFILL_BLOCK_N;
-#else
   static constexpr int kBlockN = kHeadSize == 64 || kHeadSize == 192 ? 64 : 32;
-#endif
   static constexpr int kKvBytes = kKV == KVKind::kSame ? 2 : 1;
   static constexpr SmemLayout layout() {
     return smem_layout(kHeadSize, kKvBytes, kBlockM, kBlockN);
@@ -201,26 +197,13 @@ struct Sm90Traits {
   static constexpr int kBlockM = 64 * kConsumers;
   /// Keys per stage: 128 (FA3's causal d128 tile), 64 above d128 where O takes 96-128
   /// registers.
-#ifdef PAGEDATTN_SM90_BLOCK_N  // experiments
-  static constexpr int kBlockN = PAGEDATTN_SM90_BLOCK_N;
-  static constexpr int kStages = PAGEDATTN_SM90_STAGES;
-#else
   static constexpr int kBlockN = kHeadSize <= 128 ? 128 : 64;
-  /// Three stages for the 16-bit d64 instances (89 -> 121 KB of shared memory; [H100,
-  /// 2026-12-05] causal d64 1k-16k +2-3%, ViT d64 within 1%; four were no faster).
-#ifndef PAGEDATTN_SM90_STAGES_D64  // experiments: 2 or 4
-#define PAGEDATTN_SM90_STAGES_D64 3
-#endif
-  static constexpr int kStages =
-      kHeadSize <= 64 && kKV == KVKind::kSame ? PAGEDATTN_SM90_STAGES_D64 : 2;
-#endif
+  /// Three stages for the 16-bit d64 instances (89 -> 121 KB of shared memory; [H100] causal
+  /// d64 1k-16k +2-3%, ViT d64 within 1%; four were no faster).
+  static constexpr int kStages = kHeadSize <= 64 && kKV == KVKind::kSame ? 3 : 2;
   static constexpr int kSplitAlign = kBlockN;
   static constexpr int kTableSlots = kStages + 1;  ///< the producer's row tables (sm90/kernel.cuh)
-  /// setmaxnreg budgets: 128 x 40 + 256 x 232 = 64512 <= 65536 registers.
-#ifdef PAGEDATTN_SM90_CONSUMER_REGS  // experiments: 240 with 24 for the producer
-  static constexpr int kConsumerRegs = PAGEDATTN_SM90_CONSUMER_REGS;
-  static constexpr int kProducerRegs = (65536 - 128 * kConsumers * kConsumerRegs) / 128 / 8 * 8;
-#else
+  /// setmaxnreg budgets: 128 x 40 + 256 x 232 = 64512 <= 65536 registers, or
   /// 56 / 224 (128 x 56 + 256 x 224 = 64512) where the consumers can spare the registers: the
   /// fp8 products (P in half the registers; the producer's V transpose spilled 16 bytes in 40)
   /// and head sizes up to 96 (O in 48 or fewer), whose producer then keeps the work-tile
@@ -234,7 +217,6 @@ struct Sm90Traits {
       kFp8Math || kHeadSize <= 96 || (kKV == KVKind::kFp8 && kHeadSize <= 128);
   static constexpr int kProducerRegs = kWideProducer ? 56 : 40;
   static constexpr int kConsumerRegs = kWideProducer ? 224 : 232;
-#endif
   static constexpr Sm90Layout layout() {
     return kFp8Math ? sm90_fp8_layout(kBlockM, kBlockN, kStages)
                     : sm90_layout(kHeadSize, kBlockM, kBlockN, kStages, kKvBytes, kQRescale);

@@ -217,11 +217,7 @@ __device__ __forceinline__ void produce_fp8(const AttnParams& p, unsigned char* 
   // widening waiting for its load ([ncu, d128 16k] 41% of the producer's samples on the F2FP,
   // short scoreboard). Two ahead since the producer has 56 registers ([H100, 2026-12-05] fp8
   // e4m3 d128 causal 4k-16k +0.5-1.5% over one).
-#ifdef PAGEDATTN_SM90_FP8_AHEAD  // experiments: chunks loaded ahead of the one widened
-  constexpr int kAhead = PAGEDATTN_SM90_FP8_AHEAD;
-#else
   constexpr int kAhead = 2;
-#endif
   auto widen_rows = [&](uint32_t raw, uint32_t panels, auto kE5m2) {
     constexpr int kPasses = kBlockN / kRowsPerPass;
     uint4 ring[kAhead + 1];
