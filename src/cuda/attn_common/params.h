@@ -78,9 +78,6 @@ struct AttnParams {
   /// per panel: a work tile's packed rows in order), when the group divides block_m and the
   /// query's strides allow. 0: Q by cp.async.
   int q_tma;
-  /// Hopper prefill only: a work tile with at least this many K/V tiles runs its consumer
-  /// warpgroups in FA3's pingpong (turns to issue the matrix products); fewer, without.
-  int pingpong_min_tiles;
   /// Hopper prefill only: 0, one CTA per work tile; N > 0, at most N CTAs (the backend passes
   /// at most as many as are resident), each walking several work tiles (the next one's Q and K
   /// load while the current one's rows are stored).

@@ -374,7 +374,6 @@ void CudaImpl::forward(const ForwardArgs& a) {
     pp.num_q_tiles = int((max_rows + prefill_->block_m - 1) / prefill_->block_m);
     set_prefill_tma(pp, k, v, cached);
     set_prefill_q_tma(pp, a.query);
-    pp.pingpong_min_tiles = 1;  // every work tile with K/V tiles runs the pingpong
     pp.persistent = std::min(prefill_persistent_, prefill_resident_);
     // The dynamic walk where most work tiles have rows and K/V come by TMA: where the producer
     // copies them by cp.async it is the busiest role, and the draw on its path cost ViT d80 3%

@@ -63,11 +63,11 @@ __device__ __forceinline__ uint32_t q_parity(int k) {
 
 // Where a work tile starts in the CTA's stream of them: `it` K/V tiles came before it through
 // the rings (their stage and phase follow on), it is work tile number `k` (Q's phase);
-// `pingpong` says its consumers take turns, and `turns_open` that an earlier work tile of the
-// CTA took them (so warpgroup 0's turn is already open: the last hand-over of that tile).
+// `turns_open` says an earlier work tile of the CTA had K/V tiles, whose consumers took turns
+// (so warpgroup 0's turn is already open: the last hand-over of that tile).
 struct TileSeq {
   int it = 0, k = 0;
-  bool pingpong = false, turns_open = false;
+  bool turns_open = false;
 };
 
 // The dynamic walk's hand-over (Sm90Layout::tile_offset): thread 0 of the producer writes 1 (-1:

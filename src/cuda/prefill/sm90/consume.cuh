@@ -69,22 +69,17 @@ __device__ __forceinline__ void consume(const AttnParams& p, const attn::Work& w
   const uint32_t stage0 = sm80::smem_addr(smem + lay.stage_offset);
   auto parity = [&](int j) { return uint32_t(((it0 + j) / kStages) & 1); };
   auto stage = [&](int j) { return (it0 + j) % kStages; };
-  // FA3's pingpong: the consumers take turns to issue their wgmmas, so one's softmax runs while
-  // the other's products occupy the tensor cores. Named barrier 2 + c is warpgroup c's turn;
-  // each takes its turn once per tile (computed or skipped, so the counts always pair up),
-  // issues, and hands the turn on; warpgroup 0 holds the first. Per work tile, from the number
-  // of its K/V tiles (the same for both warpgroups; AttnParams::pingpong_min_tiles, by
-  // default every tile). Warpgroup 1's last hand-over of a work tile stays pending on barrier
-  // 2 and opens warpgroup 0's first turn of the CTA's next work tile with turns; only the
-  // first such tile opens it itself.
-  const bool pingpong = seq.pingpong;
-  auto turn_begin = [&] {
-    if (pingpong) sm90::named_barrier_sync(2 + cw, 256);
-  };
-  auto turn_end = [&] {
-    if (pingpong) sm90::named_barrier_arrive(2 + (cw + 1) % T::kConsumers, 256);
-  };
-  if (pingpong && !seq.turns_open && cw == 0) sm90::named_barrier_arrive(2, 256);
+  // FA3's pingpong, in every work tile: the consumers take turns to issue their wgmmas, so
+  // one's softmax runs while the other's products occupy the tensor cores (taking turns only in
+  // work tiles of at least 32, 64 or 128 K/V tiles measured within 1% of never; every tile was
+  // best or equal). Named barrier 2 + c is warpgroup c's turn; each takes its turn once per
+  // tile (computed or skipped, so the counts always pair up), issues, and hands the turn on;
+  // warpgroup 0 holds the first. Warpgroup 1's last hand-over of a work tile stays pending on
+  // barrier 2 and opens warpgroup 0's first turn of the CTA's next work tile with K/V tiles;
+  // only the first such tile opens it itself.
+  auto turn_begin = [&] { sm90::named_barrier_sync(2 + cw, 256); };
+  auto turn_end = [&] { sm90::named_barrier_arrive(2 + (cw + 1) % T::kConsumers, 256); };
+  if (n_tiles > 0 && !seq.turns_open && cw == 0) sm90::named_barrier_arrive(2, 256);
   // The operand descriptors: from head size 128 and for the fp8 products built once per work
   // tile and advanced by constants per k step and by the stage's offset (sm90::desc_advance;
   // [SASS d128] uniform instructions in the consumer loop 111 -> 91; [H200, same call] d256

@@ -18,7 +18,7 @@
 //             tile of kBlockN keys into two-stage rings of their own. 16-bit caches: warps 0-1
 //             bring K and warps 2-3 V, each half on its own loop. Full tiles (head sizes that are
 //             multiples of 64, block sizes powers of two >= 8, or an encoder's key tensor) come by
-//             TMA (the default; PAGEDATTN_CUDA_PREFILL_COPY=cp.async turns it off): one box per
+//             TMA (the default; the cuda option prefill_copy=cp.async turns it off): one box per
 //             block and panel, issued by the lanes of the half's first warp, completing on the
 //             stage's `full` mbarrier by transaction count. Otherwise: row byte offsets from the
 //             block table into a smem table, a named barrier of the half, then 16-byte cp.async of
@@ -37,8 +37,9 @@
 //   sync      mbarriers through CCCL's cuda::ptx (phases flip every kStages tiles); each
 //             consumer thread fences the async proxy after a `full` wait, before its wgmmas
 //             read what cp.async (generic proxy) wrote.
-//   test      backend_ops (cuda, every feature), and the same with PAGEDATTN_CUDA_PREFILL=all;
-//             bench/gpu/bench_prefill; the SASS shows HGMMA (docs/kernel_notes.md).
+//   test      backend_ops (cuda, every feature), and the same with --cuda-option prefill=all and
+//             the other prefill routes (ctest -L gpu); bench/gpu/bench_prefill; the SASS shows
+//             HGMMA (docs/kernels/prefill.md).
 #pragma once
 
 #include <cuda/ptx>
@@ -121,11 +122,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     for (int t; (t = warp_uniform(next(seq, w))) >= 0;) {
       w = warp_uniform(w);
       const int n_tiles = ceil_div(w.kv_end - w.kv_begin, T::kBlockN);
-      seq.pingpong = n_tiles >= p.pingpong_min_tiles;
       role(w, n_tiles, seq);
       seq.it += n_tiles;
       ++seq.k;
-      seq.turns_open |= seq.pingpong;
+      seq.turns_open |= n_tiles > 0;
     }
   };
   auto work = [&](int t, attn::Work& w) {
