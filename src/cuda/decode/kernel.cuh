@@ -31,7 +31,7 @@
 //             ~128 KB of loads in flight per SM; 58 KB at fp8 d128: 3 CTAs); registers: O is
 //             head_size / 2 floats per thread. docs/kernel_notes.md has the ptxas figures.
 //   test      tests/cuda and `backend_ops test --device cuda` (every feature against float64);
-//             time with bench/gpu/bench_decode (bench/gpu/run_h200.sh runs both).
+//             time with bench/gpu/bench_decode (bench/gpu/run.sh runs both).
 #pragma once
 
 #include <cuda_runtime.h>

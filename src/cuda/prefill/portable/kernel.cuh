@@ -29,9 +29,10 @@
 //             activation type (the reference's low-precision model).
 //   budget    smem: config.h (104 KB at d128 bf16: two CTAs per SM; 198 KB at d256); registers:
 //             O is kMt * head_size / 2 floats and S kMt * 32 floats per thread.
-//   test      `backend_ops test --device cuda` (every feature against float64, with
-//             PAGEDATTN_CUDA_PREFILL=all for every shape), tests/cuda; time with
-//             bench/gpu/bench_decode --prefill.
+//   test      `backend_ops test --device cuda` (every feature against float64) with
+//             --cuda-option prefill=all --cuda-option prefill_kernel=portable (ctest -L gpu),
+//             tests/cuda; time with bench/gpu/bench_prefill --cuda-option
+//             prefill_kernel=portable.
 #pragma once
 
 #include <cuda_runtime.h>
