@@ -94,9 +94,7 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
         "cuda backend: the MLA kernel (mla_consumer=", mla::consumer_name(options.mla_consumer),
         ") is not compiled for ", dtype_name(config.dtype), " over ", dtype_name(cache_dtype_),
         options.mla_consumer == mla::Consumer::kSeesaw ? " (the seesaw needs a 16-bit cache)" : "");
-    if (device_props(device.index).cc_major >= 9 && options.mla_copy != MlaCopy::kCpAsync) {
-      mla_tma_rows_ = 64;
-    }
+    mla_tma_ = device_props(device.index).cc_major >= 9 && options.mla_copy != MlaCopy::kCpAsync;
     // The seesaw, swap AB and split-S's first instance write the 512 latent columns only; a
     // wider output (the generic contract's 576) takes split-S's 576-column instance under auto
     // or split-s (none under the seesaw or swap AB: refused).
@@ -535,11 +533,11 @@ void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {
   // per call (a few microseconds; it travels by value in the kernel's parameters, so a captured
   // graph replays it).
   const int64_t es = int64_t(dtype_size(k.dtype));
-  if (mla_tma_rows_ > 0 && es == 2 && a.kv_cache.block_size() % mla_tma_rows_ == 0 &&
-      aligned(k.data, 16) && (k.stride(0) * es) % 16 == 0 && (k.stride(1) * es) % 16 == 0) {
+  if (mla_tma_ && es == 2 && a.kv_cache.block_size() % mla::kBlockN == 0 && aligned(k.data, 16) &&
+      (k.stride(0) * es) % 16 == 0 && (k.stride(1) * es) % 16 == 0) {
     const uint64_t dims[3] = {uint64_t(mla::kEntry), uint64_t(k.size(1)), uint64_t(k.size(0))};
     const uint64_t strides[2] = {uint64_t(k.stride(1) * es), uint64_t(k.stride(0) * es)};
-    const uint32_t box[3] = {64, uint32_t(std::min<int64_t>(k.size(1), mla::kBlockN)), 1};
+    const uint32_t box[3] = {64, uint32_t(mla::kBlockN), 1};
     const char* why = nullptr;
     p.kv_tma =
         encode_tiled_sw128(&p.kv_map, k.data, k.dtype == DType::kBF16, 3, dims, strides, box, &why)

@@ -53,8 +53,8 @@ class CudaImpl final : public AttentionImpl {
   int prefill_pair_group_;    // BackendOptions::prefill_pair_group
   int prefill_resident_ = 0;  // prefill CTAs resident on the device at once
   int64_t l2_bytes_ = 0;      // the device's L2
-  int mla_tma_rows_ = 0;  // TMA for MLA tiles at block sizes that are multiples of this (0: off)
-  DType cache_dtype_;     // what the kernels read K/V as (the activation dtype for encoder types)
+  bool mla_tma_ = false;      // TMA for MLA tiles (at block sizes that are multiples of kBlockN)
+  DType cache_dtype_;  // what the kernels read K/V as (the activation dtype for encoder types)
   const decode::DecodeKernel* decode_ = nullptr;
   const attn::CombineKernel* combine_ = nullptr;
   const prefill::PrefillKernel* prefill_ = nullptr;  // nullptr: the decode kernel takes all

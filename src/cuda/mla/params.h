@@ -46,8 +46,8 @@ struct MlaParams {
   float v_scale;     ///< fp8: multiplies the output (the latent's one scale); 1 otherwise
 
   /// kv_tma: full 64-key tiles come by TMA through kv_map (16-bit cache, block_size a multiple
-  /// of 16): a 3-D map {576, block_size, num_blocks}, boxes of 64 columns x min(block_size, 64)
-  /// rows, 128-byte swizzled as the panels are. 0: every tile by cp.async.
+  /// of 64, so that a tile lies in one block): a 3-D map {576, block_size, num_blocks}, boxes
+  /// of 64 columns x 64 rows, 128-byte swizzled as the panels are. 0: every tile by cp.async.
   int kv_tma;
   CUtensorMap kv_map;  // 64-byte aligned by its type
 

@@ -113,10 +113,11 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
   int64_t next_off = lookup(0);
   if constexpr (!kFp8) {
     const uint32_t chunk_at = uint32_t(((lane_col ^ (lane_row & 7)) << 4) + lane_row * 128);
-    // TMA (p.kv_tma): thread 0 brings a whole tile as 9 panels x 64 / box_rows boxes, the
-    // others only arrive; the split's last, partial tile still goes by cp.async (its rows past
-    // the split read the last key, which a box cannot do).
-    const int box_rows = min(p.block_size, kBlockN);
+    // TMA (p.kv_tma): thread 0 brings a whole tile as one box per panel (the tile lies in one
+    // block: block sizes that are multiples of kBlockN; smaller blocks took a box per block and
+    // panel from one thread, 6% slower than cp.async at block size 16), the others only
+    // arrive; the split's last, partial tile still goes by cp.async (its rows past the split
+    // read the last key, which a box cannot do).
     // A request's lines are read by its M-tile CTAs and then never again: marked evict-first
     // ([H100] 0.5-1.6% faster at 16 and 128 heads; FlashMLA marks its K loads the same way).
     const uint64_t evict_first = sm80::l2_evict_first_policy();
@@ -139,15 +140,13 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
             ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
                                            bars.full(s, h),
                                            uint32_t(kBlockN * (kEnd - kFirst) * 128));
-            for (int b = 0; b < kBlockN; b += box_rows) {
-              const uint64_t row = uint64_t(table[b]);
-              const int32_t block = int32_t(row >> 32), in_block = int32_t(uint32_t(row));
+            const uint64_t row = uint64_t(table[0]);
+            const int32_t block = int32_t(row >> 32), in_block = int32_t(uint32_t(row));
 #pragma unroll
-              for (int k = kFirst; k < kEnd; ++k) {
-                const int32_t at[3] = {64 * k, in_block, block};
-                sm90::tma_load_3d_hint(stage + k * lay.kv_panel + b * 128, &p.kv_map, at,
-                                       bars.full(s, h), evict_first);
-              }
+            for (int k = kFirst; k < kEnd; ++k) {
+              const int32_t at[3] = {64 * k, in_block, block};
+              sm90::tma_load_3d_hint(stage + k * lay.kv_panel, &p.kv_map, at, bars.full(s, h),
+                                     evict_first);
             }
           } else {
             ptx::mbarrier_arrive(bars.full(s, h));
