@@ -162,9 +162,9 @@ __device__ __forceinline__ const char* q_src(const AttnParams& p, const Work& w,
 // bits (zeros for padding rows). They go out first, and reach shared memory (store_q) after the
 // first K/V copies are issued, so the two latencies overlap.
 template <class T>
-__device__ __forceinline__ void load_q(const AttnParams& p, const Work& w,
+__device__ __forceinline__ void load_q(const AttnParams& p, const Work& w, const Shape<T>& sh,
                                        uint4 (&q_raw)[kQPerThread<T>]) {
-  const int q_chunks = Shape<T>(p).head_size / 8;  // 8 elements per chunk
+  const int q_chunks = sh.head_size / 8;  // 8 elements per chunk
   if constexpr (T::kMma) {
 #pragma unroll
     for (int i = 0; i < kQPerThread<T>; ++i) {
@@ -200,11 +200,10 @@ __device__ __forceinline__ uint32_t* q_row_max_of() {
 // stored in A-fragment order, [k step][lane][a0..a3], one 16-byte load per k step. The generic
 // kernel loads and stores float rows here.
 template <class T>
-__device__ __forceinline__ void store_q(const AttnParams& p, const Work& w,
+__device__ __forceinline__ void store_q(const AttnParams& p, const Work& w, const Shape<T>& sh,
                                         const uint4 (&q_raw)[kQPerThread<T>],
                                         [[maybe_unused]] const uint32_t* q_row_max) {
   unsigned char* const smem = dyn_smem();
-  const Shape<T> sh(p);
   const SmemLayout& lay = sh.lay;
   const int q_chunks = sh.head_size / 8;
   if constexpr (T::kMma) {
@@ -264,10 +263,9 @@ __device__ __forceinline__ void store_q(const AttnParams& p, const Work& w,
 // their largest |q| (q_row_shift) and then carry the power of two they were scaled by in their
 // score multipliers.
 template <class T>
-__device__ __forceinline__ void q_to_smem(const AttnParams& p, const Work& w,
+__device__ __forceinline__ void q_to_smem(const AttnParams& p, const Work& w, const Shape<T>& sh,
                                           const uint4 (&q_raw)[kQPerThread<T>],
                                           ThreadRow (&rows)[2]) {
-  const Shape<T> sh(p);
   const int q_chunks = sh.head_size / 8, g = lane_ids().g;
   [[maybe_unused]] uint32_t* const q_row_max = q_row_max_of<T>();
   if constexpr (T::kRegFp8 && T::act == DType::kBF16) {
@@ -280,7 +278,7 @@ __device__ __forceinline__ void q_to_smem(const AttnParams& p, const Work& w,
     }
     __syncthreads();
   }
-  store_q<T>(p, w, q_raw, q_row_max);
+  store_q<T>(p, w, sh, q_raw, q_row_max);
   __syncthreads();
   if constexpr (T::kRegFp8 && T::act == DType::kBF16) {
 #pragma unroll

@@ -63,11 +63,11 @@ namespace pagedattn::cuda::decode {
 // with tile k + kStages - 1, look the next tile's rows up, compute tile k. kBulk: the copies
 // are cp.async.bulk on the stages' mbarriers (p.bulk_copy), else cp.async groups.
 template <class T, bool kE5m2, bool kBulk>
-__device__ __forceinline__ void main_loop(const AttnParams& p, const Work& w, const KvPipe<T>& kv,
-                                          RowRef& ref, const Operands<T>& op,
+__device__ __forceinline__ void main_loop(const AttnParams& p, const Work& w, const Shape<T>& sh,
+                                          const KvPipe<T>& kv, RowRef& ref, const Operands<T>& op,
                                           const ThreadRow (&rows)[2], int lo_max, int hi_min,
                                           RowAcc<kNtOf<T>>& acc) {
-  const SmemLayout lay = layout_for<T>(p.head_size, p.kv_dtype);
+  const SmemLayout& lay = sh.lay;
   for (int k = 0; k < kv.n_wt; ++k) {
     const int next = k + T::kStages - 1;
     if constexpr (kBulk) {
@@ -81,21 +81,21 @@ __device__ __forceinline__ void main_loop(const AttnParams& p, const Work& w, co
       sm80::cp_async_commit();
     }
     ref = kv.lookup(p, w, next + 1);
-    compute_tile<T, kE5m2>(p, kv, op, rows, lo_max, hi_min, k % T::kStages, kv.tile_start(w, k),
+    compute_tile<T, kE5m2>(p, sh, kv, op, rows, lo_max, hi_min, k % T::kStages, kv.tile_start(w, k),
                            acc);
   }
 }
 
 // The main loop compiled once per copy path and (in-register fp8) cache format.
 template <class T, bool kBulk>
-__device__ __forceinline__ void by_format(const AttnParams& p, const Work& w, const KvPipe<T>& kv,
-                                          RowRef& ref, const Operands<T>& op,
+__device__ __forceinline__ void by_format(const AttnParams& p, const Work& w, const Shape<T>& sh,
+                                          const KvPipe<T>& kv, RowRef& ref, const Operands<T>& op,
                                           const ThreadRow (&rows)[2], int lo_max, int hi_min,
                                           RowAcc<kNtOf<T>>& acc) {
   if (T::kRegFp8 && p.kv_dtype == int(DType::kFp8E5M2)) {
-    main_loop<T, true, kBulk>(p, w, kv, ref, op, rows, lo_max, hi_min, acc);
+    main_loop<T, true, kBulk>(p, w, sh, kv, ref, op, rows, lo_max, hi_min, acc);
   } else {
-    main_loop<T, false, kBulk>(p, w, kv, ref, op, rows, lo_max, hi_min, acc);
+    main_loop<T, false, kBulk>(p, w, sh, kv, ref, op, rows, lo_max, hi_min, acc);
   }
 }
 
@@ -118,26 +118,27 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
   if (p.route_rows > 0 && rows_total > p.route_rows) return;  // the prefill kernel's request
   int lo_max, hi_min;  // tiles [lo_max, hi_min) need no mask for any row
   cta_split<T>(p, rows_total, w, lo_max, hi_min);
+  const Shape<T> sh(p);
   ThreadRow rows[2];
   thread_rows(p, w, rows);
   uint4 q_raw[kQPerThread<T>];
-  load_q<T>(p, w, q_raw);  // global loads first: they overlap the first K/V copies
+  load_q<T>(p, w, sh, q_raw);  // global loads first: they overlap the first K/V copies
 
-  KvPipe<T> kv(p, w);
+  KvPipe<T> kv(p, w, sh);
   RowAcc<kNtOf<T>> acc;
-  RowRef ref = kv.prologue(p, w);
-  q_to_smem<T>(p, w, q_raw, rows);
-  const Operands<T> op(p);
+  RowRef ref = kv.prologue(p, w, sh.lay);
+  q_to_smem<T>(p, w, sh, q_raw, rows);
+  const Operands<T> op(sh.lay);
 
   if (p.bulk_copy) {
-    by_format<T, true>(p, w, kv, ref, op, rows, lo_max, hi_min, acc);
+    by_format<T, true>(p, w, sh, kv, ref, op, rows, lo_max, hi_min, acc);
   } else {
-    by_format<T, false>(p, w, kv, ref, op, rows, lo_max, hi_min, acc);
+    by_format<T, false>(p, w, sh, kv, ref, op, rows, lo_max, hi_min, acc);
   }
   sm80::cp_async_wait<0>();  // (the bulk path waited for every tile it issued)
 
-  merge_warps<T>(p, acc);
-  store_rows<T>(p, w);
+  merge_warps<T>(sh, acc);
+  store_rows<T>(p, w, sh);
 }
 
 // Raises the kernel's dynamic shared memory limit once per device (benign if two threads race).

@@ -50,9 +50,8 @@ struct KvPipe {
 
   // Sizes and lanes are derived here rather than passed in, so that the compiler sees them as
   // it did in one function (constants of the tensor-core instances, lane ranges).
-  __device__ __forceinline__ KvPipe(const AttnParams& p, const Work& w) {
+  __device__ __forceinline__ KvPipe(const AttnParams& p, const Work& w, const Shape<T>& sh) {
     unsigned char* const smem = dyn_smem();
-    const Shape<T> sh(p);
     const Lane ln = lane_ids();
     const SmemLayout& lay = sh.lay;
     warp = ln.warp, lane = ln.lane;
@@ -170,8 +169,8 @@ struct KvPipe {
   }
 
   // kStages - 1 tiles in flight; returns the lookup of the next tile.
-  __device__ __forceinline__ RowRef prologue(const AttnParams& p, const Work& w) const {
-    const SmemLayout lay = layout_for<T>(p.head_size, p.kv_dtype);
+  __device__ __forceinline__ RowRef prologue(const AttnParams& p, const Work& w,
+                                             const SmemLayout& lay) const {
     RowRef ref = lookup(p, w, 0);
     if (p.bulk_copy) {
       if (lane == 0) {

@@ -71,10 +71,9 @@ __device__ __forceinline__ void store_final(const AttnParams& p, int t, int h, i
 // Every warp's O, m and l into the merge area (over the stages, once every warp is done with
 // them); O in natural column order.
 template <class T>
-__device__ __forceinline__ void merge_warps(const AttnParams& p, RowAcc<kNtOf<T>>& acc) {
+__device__ __forceinline__ void merge_warps(const Shape<T>& sh, RowAcc<kNtOf<T>>& acc) {
   unsigned char* const smem = dyn_smem();
   constexpr int kNt = kNtOf<T>;
-  const Shape<T> sh(p);
   const SmemLayout& lay = sh.lay;
   const int nt_active = sh.nt_active;
   const Lane ln = lane_ids();
@@ -122,9 +121,8 @@ __device__ __forceinline__ void merge_warps(const AttnParams& p, RowAcc<kNtOf<T>
 // the warps' states (their maxima, sums and O rows) and stores the final row, or the split's
 // normalised partial and LSE (log2 units).
 template <class T>
-__device__ __forceinline__ void store_rows(const AttnParams& p, const Work& w) {
+__device__ __forceinline__ void store_rows(const AttnParams& p, const Work& w, const Shape<T>& sh) {
   unsigned char* const smem = dyn_smem();
-  const Shape<T> sh(p);
   const SmemLayout& lay = sh.lay;
   const int head_size = sh.head_size;
   constexpr int kWarps = T::kWarps;

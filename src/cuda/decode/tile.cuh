@@ -49,9 +49,8 @@ struct Operands {
   uint32_t q_lane_addr;
   const uint4* q_frag;  // the in-register fp8 kernel's Q fragments: [k step][lane] 16 bytes
   uint32_t qf[kQRegs][4];
-  __device__ __forceinline__ explicit Operands(const AttnParams& p) {
+  __device__ __forceinline__ Operands(const SmemLayout& lay) {
     unsigned char* const smem = dyn_smem();
-    const SmemLayout lay = layout_for<T>(p.head_size, p.kv_dtype);
     const int lane = lane_ids().lane;
     const int mi = lane >> 3, r8 = lane & 7;
     const int qa_row = (mi & 1) * 8 + r8, qa_col = (mi >> 1) * 8;
@@ -180,10 +179,9 @@ __device__ __forceinline__ void pv_mma(const Operands<T>& op, const float (&s)[2
 // S = Q K^T in float, in the fragment layout of the tensor-core path: this thread owns rows g,
 // g + 8 and keys 2*t4 + {0, 1} (+ 8) of S.
 template <class T>
-__device__ __forceinline__ void s_float(const AttnParams& p, const unsigned char* kt, int row_bytes,
+__device__ __forceinline__ void s_float(const Shape<T>& sh, const unsigned char* kt, int row_bytes,
                                         float (&s)[2][4]) {
   const unsigned char* const smem = dyn_smem();
-  const Shape<T> sh(p);
   const SmemLayout& lay = sh.lay;
   const int head_size = sh.head_size;
   const Lane ln = lane_ids();
@@ -213,11 +211,10 @@ __device__ __forceinline__ void s_float(const AttnParams& p, const unsigned char
 // O += P V in float: P through the warp's smem tile (each thread needs all 16 keys of its two
 // rows); this thread owns columns nt * 8 + 2*t4 + {0, 1} of O.
 template <class T>
-__device__ __forceinline__ void pv_float(const AttnParams& p, const float (&s)[2][4],
+__device__ __forceinline__ void pv_float(const Shape<T>& sh, const float (&s)[2][4],
                                          const unsigned char* vt, int row_bytes,
                                          float (&o)[kNtOf<T>][4]) {
   unsigned char* const smem = dyn_smem();
-  const Shape<T> sh(p);
   const SmemLayout& lay = sh.lay;
   const int nt_active = sh.nt_active;
   const Lane ln = lane_ids();
@@ -253,12 +250,11 @@ __device__ __forceinline__ void pv_float(const AttnParams& p, const float (&s)[2
 // widens in smem, then S, the softmax and P V. kE5m2: the fp8 kernel's cache format, fixed per
 // launch.
 template <class T, bool kE5m2>
-__device__ __forceinline__ void compute_tile(const AttnParams& p, const KvPipe<T>& kv,
-                                             const Operands<T>& op, const ThreadRow (&rows)[2],
-                                             int lo_max, int hi_min, int stage, int ts,
-                                             RowAcc<kNtOf<T>>& acc) {
+__device__ __forceinline__ void compute_tile(const AttnParams& p, const Shape<T>& sh,
+                                             const KvPipe<T>& kv, const Operands<T>& op,
+                                             const ThreadRow (&rows)[2], int lo_max, int hi_min,
+                                             int stage, int ts, RowAcc<kNtOf<T>>& acc) {
   constexpr int kNt = kNtOf<T>;
-  const Shape<T> sh(p);
   const Lane ln = lane_ids();
   const SmemLayout& lay = sh.lay;
   const unsigned char* kt = kv.my_stages + stage * lay.stage_bytes;
@@ -282,9 +278,9 @@ __device__ __forceinline__ void compute_tile(const AttnParams& p, const KvPipe<T
     softmax_tile<kNt>(p, s, rows, ts, need_mask, ln.t4, acc.m, acc.l, acc.o);
     pv_mma<T>(op, s, vt, row_bytes, acc.o);
   } else {
-    s_float<T>(p, kt, row_bytes, s);
+    s_float<T>(sh, kt, row_bytes, s);
     softmax_tile<kNt>(p, s, rows, ts, need_mask, ln.t4, acc.m, acc.l, acc.o);
-    pv_float<T>(p, s, vt, row_bytes, acc.o);
+    pv_float<T>(sh, s, vt, row_bytes, acc.o);
   }
 }
 
