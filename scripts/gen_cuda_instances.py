@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Writes the explicit kernel instantiations of the CUDA backend from one table.
 
-Each kernel family keeps one instance per file under src/cuda/<family>/inst/ (parallel,
-reviewable builds) plus inst/instances.inc, the list its launch.cu turns into the flat table
+Each kernel family (and attn_common, for the split combine) keeps one instance per file under
+src/cuda/<family>/inst/ (parallel, reviewable builds) plus inst/instances.inc, the list its launch.cu turns into the flat table
 that both the launches and the backend's check() read. Tensor-core decode instances are
 wrapped in `#if PAGEDATTN_CUDA_HEAD_SIZE_<n>`: the CMake option PAGEDATTN_CUDA_HEAD_SIZES
 drops their files from the build and their entries from the table together.
@@ -36,7 +36,8 @@ DECODE_HEAD_SIZES = [64, 80, 96, 128, 192, 256]
 DECODE_MMA = [(a, kv, d) for a in ["f16", "bf16"] for kv in ["same", "fp8"] for d in DECODE_HEAD_SIZES]
 # decode, generic (CUDA cores, any cache dtype and head size at run time): one per activation.
 DECODE_GENERIC = ACTIVATIONS
-# split combine: one per activation (output) dtype.
+# split combine (attn_common: the decode and prefill kernels' partials): one per activation
+# (output) dtype.
 COMBINE = ACTIVATIONS
 # prefill, tensor cores: the decode tensor-core set (long queries; other dtypes stay on decode).
 PREFILL = DECODE_MMA
@@ -64,12 +65,14 @@ MLA_COMBINE = ["f16", "bf16"]
 KV_KIND = {"same": "kSame", "fp8": "kFp8", "any": "kAny"}
 
 
-def instance_file(family, header, instance):
-    """One explicit instantiation, formatted as clang-format leaves it."""
+def instance_file(family, header, instance, namespace=None):
+    """One explicit instantiation, formatted as clang-format leaves it. `namespace` defaults to
+    the folder's name (attn_common's is attn)."""
+    namespace = namespace or family
     return (f'{HEADER}#include "cuda/{family}/{header}"\n\n'
-            f"namespace pagedattn::cuda::{family} {{\n"
+            f"namespace pagedattn::cuda::{namespace} {{\n"
             f"template struct {instance};\n"
-            f"}}  // namespace pagedattn::cuda::{family}\n")
+            f"}}  // namespace pagedattn::cuda::{namespace}\n")
 
 
 def family_files():
@@ -110,27 +113,31 @@ def family_files():
         files[CUDA / "decode" / "inst" / f"decode_{a}_any.cu"] = instance_file(
             "decode", "kernel.cuh", f"DecodeOps<Traits<DType::{DTYPE[a]}, KVKind::kAny, 0>>")
         inc.append(f"PAGEDATTN_DECODE_INSTANCE({DTYPE[a]}, kAny, 0)\n")
-    for a in COMBINE:
-        files[CUDA / "decode" / "inst" / f"combine_{a}.cu"] = instance_file(
-            "decode", "combine.cuh", f"CombineOps<DType::{DTYPE[a]}>")
-        inc.append(f"PAGEDATTN_COMBINE_INSTANCE({DTYPE[a]})\n")
     files[CUDA / "decode" / "inst" / "instances.inc"] = "".join(inc)
 
     inc = [HEADER]
+    for a in COMBINE:
+        files[CUDA / "attn_common" / "inst" / f"combine_{a}.cu"] = instance_file(
+            "attn_common", "combine.cuh", f"CombineOps<DType::{DTYPE[a]}>", namespace="attn")
+        inc.append(f"PAGEDATTN_COMBINE_INSTANCE({DTYPE[a]})\n")
+    files[CUDA / "attn_common" / "inst" / "instances.inc"] = "".join(inc)
+
+    inc = [HEADER]
     for a, kv, d in PREFILL:
-        files[CUDA / "prefill" / "inst" / f"prefill_{a}_{kv}_d{d}.cu"] = instance_file(
-            "prefill", "kernel.cuh", f"PrefillOps<Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {d}>>")
+        files[CUDA / "prefill" / "inst" / f"portable_{a}_{kv}_d{d}.cu"] = instance_file(
+            "prefill", "portable/kernel.cuh",
+            f"PrefillOps<Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {d}>>")
         inc.append(f"#if PAGEDATTN_CUDA_HEAD_SIZE_{d}\n"
                    f"PAGEDATTN_PREFILL_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {d})\n#endif\n")
     for a, kv, d in PREFILL_SM90:
-        files[CUDA / "prefill" / "inst" / f"prefill_sm90_{a}_{kv}_d{d}.cu"] = instance_file(
-            "prefill", "sm90_kernel.cuh",
+        files[CUDA / "prefill" / "inst" / f"sm90_{a}_{kv}_d{d}.cu"] = instance_file(
+            "prefill", "sm90/kernel.cuh",
             f"PrefillSm90Ops<Sm90Traits<DType::{DTYPE[a]}, KVKind::{KV_KIND[kv]}, {d}>>")
         inc.append(f"#if PAGEDATTN_CUDA_HEAD_SIZE_{d}\n"
                    f"PAGEDATTN_PREFILL_SM90_INSTANCE({DTYPE[a]}, {KV_KIND[kv]}, {d})\n#endif\n")
     for a, d in PREFILL_SM90_FP8:
-        files[CUDA / "prefill" / "inst" / f"prefill_sm90_fp8math_{a}_d{d}.cu"] = instance_file(
-            "prefill", "sm90_kernel.cuh",
+        files[CUDA / "prefill" / "inst" / f"sm90_fp8math_{a}_d{d}.cu"] = instance_file(
+            "prefill", "sm90/kernel.cuh",
             f"PrefillSm90Ops<Sm90Traits<DType::{DTYPE[a]}, KVKind::kFp8, {d}, true>>")
         inc.append(f"#if PAGEDATTN_CUDA_HEAD_SIZE_{d}\n"
                    f"PAGEDATTN_PREFILL_SM90_FP8_INSTANCE({DTYPE[a]}, {d})\n#endif\n")
@@ -154,7 +161,7 @@ def family_files():
 def stale_generated(files):
     """Generated files on disk that the table no longer names."""
     out = []
-    for family in ["cache_ops", "merge", "amax", "decode", "prefill", "mla"]:
+    for family in ["cache_ops", "merge", "amax", "attn_common", "decode", "prefill", "mla"]:
         for p in sorted((CUDA / family / "inst").glob("*")):
             if p not in files and p.is_file() and p.read_text().startswith(HEADER):
                 out.append(p)

@@ -750,7 +750,7 @@ TEST(CudaDecode, EveryFp8CodeWidensExactly) {
     const auto backend = cuda::make_backend(options);
     for (DType act : {DType::kBF16, DType::kF16}) {
       for (KVCacheDType kv : {KVCacheDType::kFp8E4M3, KVCacheDType::kFp8E5M2}) {
-        for (int d : cuda::decode::compiled_head_sizes(act, cuda::decode::KVKind::kFp8)) {
+        for (int d : cuda::decode::compiled_head_sizes(act, cuda::attn::KVKind::kFp8)) {
           AttentionConfig c;
           c.num_heads = kHeads;
           c.num_kv_heads = 1;

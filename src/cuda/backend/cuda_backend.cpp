@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "cuda/amax/launch.h"
+#include "cuda/attn_common/launch.h"
 #include "cuda/backend/impl.h"
 #include "cuda/backend/mla_route.h"
 #include "cuda/backend/plan.h"
@@ -64,8 +65,8 @@ BackendOptions backend_options_from_env() {
   if (const char* s = std::getenv(kSplitsEnvVar); s && *s) {
     char* end = nullptr;
     const long n = std::strtol(s, &end, 10);
-    require(end && *end == '\0' && n >= 1 && n <= decode::kMaxSplits, kSplitsEnvVar, " ('", s,
-            "') must be an integer in [1, ", decode::kMaxSplits, "]");
+    require(end && *end == '\0' && n >= 1 && n <= attn::kMaxSplits, kSplitsEnvVar, " ('", s,
+            "') must be an integer in [1, ", attn::kMaxSplits, "]");
     o.num_splits = int(n);
   }
   if (const char* s = std::getenv(kPrefillEnvVar); s && *s) {
@@ -198,8 +199,8 @@ class CudaBackend final : public Backend {
       return reasons;
     }
     if (decode::find_decode(c.dtype, cache, c.head_size) == nullptr) {
-      const decode::KVKind kind = decode::kv_kind_for(c.dtype, cache);
-      if (kind == decode::KVKind::kAny) {
+      const attn::KVKind kind = attn::kv_kind_for(c.dtype, cache);
+      if (kind == attn::KVKind::kAny) {
         reasons.push_back(cat("head_size ", c.head_size, " with ", dtype_name(c.dtype),
                               " activations and a ", dtype_name(cache),
                               " cache runs on the generic kernel, which needs a multiple of 16 "
@@ -208,12 +209,12 @@ class CudaBackend final : public Backend {
       } else {
         reasons.push_back(
             cat("head_size ", c.head_size, " is not compiled for ", dtype_name(c.dtype),
-                " activations with a ", kind == decode::KVKind::kFp8 ? "fp8" : dtype_name(cache),
+                " activations with a ", kind == attn::KVKind::kFp8 ? "fp8" : dtype_name(cache),
                 " cache (compiled: ", join_ints(decode::compiled_head_sizes(c.dtype, kind)),
                 "; the CMake option PAGEDATTN_CUDA_HEAD_SIZES sets the list)"));
       }
     }
-    if (decode::find_combine(c.dtype) == nullptr) {
+    if (attn::find_combine(c.dtype) == nullptr) {
       reasons.push_back(cat("the split combine is not compiled for ", dtype_name(c.dtype)));
     }
     return reasons;

@@ -2,6 +2,7 @@
 // device, and the parameter building of write_kv and forward.
 #pragma once
 
+#include "cuda/attn_common/launch.h"
 #include "cuda/backend/cuda_backend.h"
 #include "cuda/cache_ops/launch.h"
 #include "cuda/decode/launch.h"
@@ -27,16 +28,21 @@ class CudaImpl final : public AttentionImpl {
   void forward(const ForwardArgs& args) override;
 
  private:
+  // forward's launches once `p` is built: the prefill kernel for the requests with more than
+  // prefill::kDecodeMaxRows packed rows (all of them under PrefillRoute::kAll), the decode
+  // kernel for the rest, then the split combine.
+  void launch_attention(attn::AttnParams& p, const ForwardArgs& args, const TensorView& k,
+                        const TensorView& v, bool cached, cudaStream_t stream) const;
   // Head size 576: the latent kernel (cuda/mla) and, when split, its combine.
   void forward_mla(const ForwardArgs& args, cudaStream_t stream);
-  // The Hopper prefill kernel's TMA maps over K and V (decode::DecodeParams::kv_tma), when
+  // The Hopper prefill kernel's TMA maps over K and V (attn::AttnParams::kv_tma), when
   // its instance, the cache's block size and the strides allow them.
-  void set_prefill_tma(decode::DecodeParams& p, const TensorView& k, const TensorView& v,
+  void set_prefill_tma(attn::AttnParams& p, const TensorView& k, const TensorView& v,
                        bool cached) const;
-  // ... and over Q (decode::DecodeParams::q_tma), when the group divides the kernel's rows and
+  // ... and over Q (attn::AttnParams::q_tma), when the group divides the kernel's rows and
   // the query's strides allow.
-  void set_prefill_q_tma(decode::DecodeParams& p, const TensorView& query) const;
-  // The prefill kernels' pairs per group of their work-tile walk (decode::DecodeParams::
+  void set_prefill_q_tma(attn::AttnParams& p, const TensorView& query) const;
+  // The prefill kernels' pairs per group of their work-tile walk (attn::AttnParams::
   // pair_group): the option's, or as many (request, KV head) pairs as fit kPrefillL2Share of
   // the L2 at md.max_seq_len keys, at least kPrefillMinPairGroup (under the dynamic walk,
   // kPrefillL2ShareDynamic and kPrefillMinPairGroupDynamic).
@@ -57,7 +63,7 @@ class CudaImpl final : public AttentionImpl {
   bool mla_cluster_merge_ = true;  // splits merge in a cluster where the kernel can (swap AB)
   DType cache_dtype_;  // what the kernels read K/V as (the activation dtype for encoder types)
   const decode::DecodeKernel* decode_ = nullptr;
-  const decode::CombineKernel* combine_ = nullptr;
+  const attn::CombineKernel* combine_ = nullptr;
   const prefill::PrefillKernel* prefill_ = nullptr;  // nullptr: the decode kernel takes all
   const cache_ops::WriteKVKernel* write_ = nullptr;
   const mla::MlaKernel* mla_ = nullptr;       // set: every forward runs the MLA kernel
@@ -66,7 +72,7 @@ class CudaImpl final : public AttentionImpl {
   const mla::MlaCombineKernel* mla_combine_ = nullptr;
   Tensor alibi_slopes_;  // float32 [num_heads] on the device, or undefined
   Tensor sinks_;         // float32 [num_heads] on the device, or undefined
-  // int32 [1] on the device: the Hopper prefill's dynamic walk counter (DecodeParams::
+  // int32 [1] on the device: the Hopper prefill's dynamic walk counter (AttnParams::
   // tile_counter; every launch leaves it 0), or undefined (BackendOptions::prefill_dynamic off).
   // The layer's forwards must run in stream order, as they do in an engine's step.
   Tensor tile_counter_;

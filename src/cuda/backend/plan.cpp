@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "cuda/attn_common/config.h"
 #include "cuda/decode/config.h"
 #include "pagedattn/dtype.h"
 #include "pagedattn/error.h"
@@ -29,7 +30,7 @@ int choose_num_splits(const SplitInputs& in) {
     max_kv = std::max(max_kv, in.kv_lens[r]);
   }
   if (work == 0) return 1;
-  const int s_max = std::clamp(max_kv / decode::kMinSplitTokens, 1, decode::kMaxSplits);
+  const int s_max = std::clamp(max_kv / attn::kMinSplitTokens, 1, attn::kMaxSplits);
   if (s_max == 1) return 1;
   auto efficiency = [&](int s) {
     const int64_t load = work * s;

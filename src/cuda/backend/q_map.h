@@ -1,4 +1,4 @@
-// The shape of the Hopper prefill kernel's TMA map over the query (DecodeParams::q_map): host
+// The shape of the Hopper prefill kernel's TMA map over the query (AttnParams::q_map): host
 // arithmetic only, so that its refusals are tested without a GPU.
 #pragma once
 

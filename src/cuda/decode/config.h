@@ -4,17 +4,14 @@
 
 #include <cstdint>
 
+#include "cuda/attn_common/config.h"
 #include "pagedattn/dtype.h"
 
 namespace pagedattn::cuda::decode {
 
-/// How a compiled instance reads the KV cache.
-enum class KVKind : uint8_t {
-  kSame,  ///< 16-bit cache of the activation dtype: tensor cores straight from the stage
-  kFp8,   ///< e4m3 / e5m2 (chosen at run time): widened exactly to the activation dtype in
-          ///< registers (in smem at head size 80)
-  kAny,   ///< any cache dtype and any head size (run time): float CUDA-core math, the slow path
-};
+using attn::kMaxSmemPerCta;
+using attn::kTwoCtaSmemBudget;
+using attn::KVKind;
 
 /// Packed query rows per CTA (row p = query token p / G, head kv_head * G + p % G): one
 /// m16n8k16 M tile. Decode has G * q_len rows (4 for GQA 32/8, 16 for GQA 32/8 with 4-token
@@ -24,18 +21,9 @@ inline constexpr int kRows = 16;
 inline constexpr int kTileTokens = 16;
 /// Largest head size any instance serves (the generic kernel sizes its registers for it).
 inline constexpr int kMaxHeadSize = 256;
-/// Split-KV bounds: at most this many splits (the combine kernel reads one LSE per lane, two
-/// lanes' worth), and at least this many KV tokens per split (below it the partial-output
-/// traffic and the per-CTA prologue outweigh the parallelism gained).
-inline constexpr int kMaxSplits = 64;
-inline constexpr int kMinSplitTokens = 256;
-/// Shared memory a CTA may take and still share the SM with another (228 KB per SM, 1 KB
-/// reserved per CTA): two CTAs keep 8 warps of loads in flight.
-inline constexpr int kTwoCtaSmemBudget = 113 * 1024;
-/// Shared memory a CTA may take and still share the SM with two others.
+/// Shared memory a CTA may take and still share the SM with two others (attn_common/config.h
+/// has the two-CTA budget).
 inline constexpr int kThreeCtaSmemBudget = 75 * 1024;
-/// Largest opt-in dynamic shared memory per CTA on sm_90.
-inline constexpr int kMaxSmemPerCta = 227 * 1024;
 
 /// Byte offsets of the dynamic shared memory of one CTA.
 struct SmemLayout {

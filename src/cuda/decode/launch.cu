@@ -3,6 +3,7 @@
 // and what is selectable cannot drift apart.
 #include <algorithm>
 
+#include "cuda/attn_common/launch.h"
 #include "cuda/decode/launch.h"
 
 namespace pagedattn::cuda::decode {
@@ -13,34 +14,14 @@ const std::vector<DecodeKernel>& decode_kernels() {
   {DType::act, KVKind::kv, head_size,                             \
    &DecodeOps<Traits<DType::act, KVKind::kv, head_size>>::launch, \
    &DecodeOps<Traits<DType::act, KVKind::kv, head_size>>::ctas_per_sm},
-#define PAGEDATTN_COMBINE_INSTANCE(act)
 #include "cuda/decode/inst/instances.inc"
 #undef PAGEDATTN_DECODE_INSTANCE
-#undef PAGEDATTN_COMBINE_INSTANCE
   };
   return table;
-}
-
-const std::vector<CombineKernel>& combine_kernels() {
-  static const std::vector<CombineKernel> table = {
-#define PAGEDATTN_DECODE_INSTANCE(act, kv, head_size)
-#define PAGEDATTN_COMBINE_INSTANCE(act) {DType::act, &CombineOps<DType::act>::launch},
-#include "cuda/decode/inst/instances.inc"
-#undef PAGEDATTN_DECODE_INSTANCE
-#undef PAGEDATTN_COMBINE_INSTANCE
-  };
-  return table;
-}
-
-KVKind kv_kind_for(DType act, DType cache) {
-  const bool act16 = act == DType::kF16 || act == DType::kBF16;
-  if (act16 && cache == act) return KVKind::kSame;
-  if (act16 && is_fp8(cache)) return KVKind::kFp8;
-  return KVKind::kAny;
 }
 
 const DecodeKernel* find_decode(DType act, DType cache, int head_size) {
-  const KVKind kind = kv_kind_for(act, cache);
+  const KVKind kind = attn::kv_kind_for(act, cache);
   for (const DecodeKernel& k : decode_kernels()) {
     if (k.act != act || k.kv != kind) continue;
     if (k.head_size == head_size) return &k;
@@ -48,12 +29,6 @@ const DecodeKernel* find_decode(DType act, DType cache, int head_size) {
       return &k;
     }
   }
-  return nullptr;
-}
-
-const CombineKernel* find_combine(DType act) {
-  for (const CombineKernel& k : combine_kernels())
-    if (k.act == act) return &k;
   return nullptr;
 }
 

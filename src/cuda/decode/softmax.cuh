@@ -9,18 +9,21 @@
 #include <type_traits>
 
 #include "cuda/arch/sm80/ptx.cuh"
+#include "cuda/attn_common/common.cuh"
+#include "cuda/attn_common/params.h"
 #include "cuda/common/check.h"
 #include "cuda/common/dtypes.cuh"
-#include "cuda/decode/common.cuh"
 #include "cuda/decode/config.h"
-#include "cuda/decode/params.h"
 
 namespace pagedattn::cuda::decode {
+
+using attn::AttnParams;
+using attn::ThreadRow;
 
 // Scale, soft cap, ALiBi and mask of one 16-key tile of S (this thread's 8 scores), then the
 // online-softmax update: s becomes P (float), m / l / o are rescaled.
 template <int kNt>
-__device__ __forceinline__ void softmax_tile(const DecodeParams& p, float (&s)[2][4],
+__device__ __forceinline__ void softmax_tile(const AttnParams& p, float (&s)[2][4],
                                              const ThreadRow (&rows)[2], int tile_start,
                                              bool need_mask, int t4, float (&m)[2], float (&l)[2],
                                              float (&o)[kNt][4]) {

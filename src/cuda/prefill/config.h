@@ -4,12 +4,12 @@
 
 #include <cstdint>
 
-#include "cuda/decode/config.h"
+#include "cuda/attn_common/config.h"
 #include "pagedattn/dtype.h"
 
 namespace pagedattn::cuda::prefill {
 
-using decode::KVKind;
+using attn::KVKind;
 
 /// Requests with at most this many packed query rows (q_len * G) stay on the decode kernel
 /// when the prefill kernel runs beside it: four decode CTAs of 16 rows share the KV through
@@ -81,8 +81,8 @@ struct Traits {
   /// Two CTAs of 4 warps per SM where the shared memory allows it (d <= 128): the bound caps
   /// registers at 255. 8-warp CTAs take one (two would cap registers at 128: ptxas spilled).
   static constexpr int kMinCtasPerSm =
-      kWarps == 4 && layout().total <= decode::kTwoCtaSmemBudget ? 2 : 1;
-  static_assert(layout().total <= decode::kMaxSmemPerCta);
+      kWarps == 4 && layout().total <= attn::kTwoCtaSmemBudget ? 2 : 1;
+  static_assert(layout().total <= attn::kMaxSmemPerCta);
   /// Split boundaries fall on whole tiles.
   static constexpr int kSplitAlign = kBlockN;
 };
@@ -91,7 +91,7 @@ struct Traits {
 
 namespace pagedattn::cuda::prefill {
 
-/// Sm90Layout::tile_offset's hand-over area: int [4], then a decode::Work slot of
+/// Sm90Layout::tile_offset's hand-over area: int [4], then an attn::Work slot of
 /// kWorkSlotBytes per Q buffer.
 inline constexpr int kWorkSlotBytes = 48;
 inline constexpr int kTileSlotBytes = 16 + 2 * kWorkSlotBytes;
@@ -113,7 +113,7 @@ struct Sm90Layout {
   int bar_offset = 0;    ///< mbarriers: q_full [2], K full / V full / K empty / V empty
                          ///< [kStages], q_empty [2]
   /// The dynamic walk's hand-over: int [4], the work-tile numbers per Q buffer (for the
-  /// consumers) and two for the producer's own broadcast; then decode::Work [2] (48 bytes
+  /// consumers) and two for the producer's own broadcast; then attn::Work [2] (48 bytes
   /// each), the work tile of each Q buffer as the producer computed it
   int tile_offset = 0;
   /// Q rows scaled into f16 (Sm90Traits::kQRescale): float [q_stages][kBlockM], each row's
@@ -140,7 +140,7 @@ constexpr Sm90Layout sm90_layout(int head_size, int block_m, int block_n, int st
     s.tile_offset = s.bar_offset + (4 + 4 * stages) * 8;
     s.q_undo_offset = s.tile_offset + kTileSlotBytes;
     s.total = s.q_undo_offset + (q_rescale ? q_stages * block_m * 4 : 0) + 1024;
-    if (s.total <= decode::kMaxSmemPerCta || q_stages == 1) return s;
+    if (s.total <= attn::kMaxSmemPerCta || q_stages == 1) return s;
   }
 }
 
@@ -171,7 +171,7 @@ constexpr Sm90Layout sm90_fp8_layout(int block_m, int block_n, int stages) {
 /// whatever the activation type: every e4m3 / e5m2 value is exact in f16, and the hardware
 /// widens two codes per instruction where bf16 takes a bit trick and a multiply per pair); a
 /// bf16 Q then comes in f16 too, each row scaled by a power of two (kQRescale, the decode
-/// kernel's rule: decode::q_row_shift) that the consumers undo in the softmax. Head sizes
+/// kernel's rule: attn::q_row_shift) that the consumers undo in the softmax. Head sizes
 /// that are not whole panels (80, 96, 192) leave the last panel's tail unwritten: S's k-steps
 /// stop at head_size and P V's n extent is head_size, so neither reads it.
 /// kFp8MathT (query_quant over an e4m3 cache): Q narrowed to e4m3 (exactly: the query was
@@ -215,7 +215,7 @@ struct Sm90Traits {
       kHeadSize <= 64 && kKV == KVKind::kSame ? PAGEDATTN_SM90_STAGES_D64 : 2;
 #endif
   static constexpr int kSplitAlign = kBlockN;
-  static constexpr int kTableSlots = kStages + 1;  ///< the producer's row tables (sm90_kernel)
+  static constexpr int kTableSlots = kStages + 1;  ///< the producer's row tables (sm90/kernel.cuh)
   /// setmaxnreg budgets: 128 x 40 + 256 x 232 = 64512 <= 65536 registers.
 #ifdef PAGEDATTN_SM90_CONSUMER_REGS  // experiments: 240 with 24 for the producer
   static constexpr int kConsumerRegs = PAGEDATTN_SM90_CONSUMER_REGS;
@@ -239,7 +239,7 @@ struct Sm90Traits {
     return kFp8Math ? sm90_fp8_layout(kBlockM, kBlockN, kStages)
                     : sm90_layout(kHeadSize, kBlockM, kBlockN, kStages, kKvBytes, kQRescale);
   }
-  static_assert(layout().total <= decode::kMaxSmemPerCta);
+  static_assert(layout().total <= attn::kMaxSmemPerCta);
 };
 
 }  // namespace pagedattn::cuda::prefill

@@ -1,6 +1,6 @@
 // The compiled prefill instances (generated list, trimmed by PAGEDATTN_CUDA_HEAD_SIZES) and
 // their selection.
-#include "cuda/decode/launch.h"
+#include "cuda/attn_common/launch.h"
 #include "cuda/prefill/launch.h"
 
 namespace pagedattn::cuda::prefill {
@@ -49,7 +49,7 @@ const std::vector<PrefillKernel>& prefill_kernels() {
 
 const PrefillKernel* find_prefill(DType act, DType cache, int head_size, int cc_major,
                                   bool portable, bool fp8_math) {
-  const KVKind kind = decode::kv_kind_for(act, cache);
+  const KVKind kind = attn::kv_kind_for(act, cache);
   const bool want_fp8 = fp8_math && cache == DType::kFp8E4M3;
   const PrefillKernel* found = nullptr;
   auto rank = [&](const PrefillKernel& k) { return k.sm + (k.fp8_math ? 1 : 0); };

@@ -1,13 +1,14 @@
 // Host interface of the prefill family: the compiled instances (one flat table) and their
-// selection. The kernels take the decode family's parameters (decode/params.h): both read the
-// same metadata, cache and outputs, and split partials go through the same combine kernel.
+// selection. The kernels take the parameters of every attention kernel (attn_common/params.h):
+// they read the same metadata, cache and outputs as the decode kernel, and split partials go
+// through the same combine kernel (attn_common/combine.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <vector>
 
-#include "cuda/decode/params.h"
+#include "cuda/attn_common/params.h"
 #include "cuda/prefill/config.h"
 #include "pagedattn/dtype.h"
 
@@ -23,24 +24,25 @@ struct PrefillKernel {
   /// fp8 products (sm 90, e4m3 cache, query_quant): Q narrowed to e4m3, QK^T and P V as fp8
   /// wgmma with P in e4m3.
   bool fp8_math;
-  /// > 0: the kernel can take full K/V tiles by TMA (decode::DecodeParams::kv_tma): its tile of
+  /// > 0: the kernel can take full K/V tiles by TMA (attn::AttnParams::kv_tma): its tile of
   /// keys (the Hopper kernel over a 16-bit cache of its activation dtype, head size a multiple
   /// of 64). 0: cp.async only.
   int tma_tile;
-  void (*launch)(const decode::DecodeParams& params, cudaStream_t stream);
+  void (*launch)(const attn::AttnParams& params, cudaStream_t stream);
   int (*ctas_per_sm)(int device);
 };
 
-/// Defined in kernel.cuh, explicitly instantiated by inst/*.cu.
+/// Defined in portable/kernel.cuh, explicitly instantiated by inst/*.cu.
 template <class TraitsT>
 struct PrefillOps {
-  static void launch(const decode::DecodeParams& params, cudaStream_t stream);
+  static void launch(const attn::AttnParams& params, cudaStream_t stream);
   static int ctas_per_sm(int device);
 };
 
+/// Defined in sm90/kernel.cuh, explicitly instantiated by inst/*.cu.
 template <class TraitsT>
 struct PrefillSm90Ops {
-  static void launch(const decode::DecodeParams& params, cudaStream_t stream);
+  static void launch(const attn::AttnParams& params, cudaStream_t stream);
   static int ctas_per_sm(int device);
 };
 

@@ -1,5 +1,5 @@
-// The order in which the prefill kernels take their work tiles (DecodeParams::pair_group) and
-// how a persistent Hopper grid hands them out (DecodeParams::tile_counter), as host / device
+// The order in which the prefill kernels take their work tiles (AttnParams::pair_group) and
+// how a persistent Hopper grid hands them out (AttnParams::tile_counter), as host / device
 // functions: the kernels run them on the device, and host tests check that every work tile is
 // taken once (group by group; by any interleaving of the CTAs' draws).
 #pragma once
@@ -33,7 +33,7 @@ PAGEDATTN_HOST_DEVICE inline WalkIndex walk_index(int x, int pairs, int pair_gro
   return WalkIndex{tile_rank, pair0 + in - tile_rank * size};
 }
 
-/// The dynamic walk of a persistent grid of `ctas` < `total` CTAs (DecodeParams::tile_counter),
+/// The dynamic walk of a persistent grid of `ctas` < `total` CTAs (AttnParams::tile_counter),
 /// run by thread 0 of a CTA's producer: the number of the CTA's next work tile, or -1 when none
 /// is left (the CTA then stops drawing). `first` starts as the CTA's index, its first work
 /// tile, taken without a draw (then -1); every later one is ctas + draw(), draw() being the

@@ -1,0 +1,30 @@
+// Constants the paged attention kernels share (decode, both prefill kernels, the split
+// combine), each with its reason. Host and device code both read these.
+#pragma once
+
+#include <cstdint>
+
+#include "pagedattn/dtype.h"
+
+namespace pagedattn::cuda::attn {
+
+/// How a compiled instance reads the KV cache.
+enum class KVKind : uint8_t {
+  kSame,  ///< 16-bit cache of the activation dtype: tensor cores straight from the stage
+  kFp8,   ///< e4m3 / e5m2 (chosen at run time): widened exactly to the activation dtype in
+          ///< registers (in smem at head size 80)
+  kAny,   ///< any cache dtype and any head size (run time): float CUDA-core math, the slow path
+};
+
+/// Split-KV bounds: at most this many splits (the combine kernel reads one LSE per lane, two
+/// lanes' worth), and at least this many KV tokens per split (below it the partial-output
+/// traffic and the per-CTA prologue outweigh the parallelism gained).
+inline constexpr int kMaxSplits = 64;
+inline constexpr int kMinSplitTokens = 256;
+/// Shared memory a CTA may take and still share the SM with another (228 KB per SM, 1 KB
+/// reserved per CTA): two CTAs keep 8 warps of loads in flight.
+inline constexpr int kTwoCtaSmemBudget = 113 * 1024;
+/// Largest opt-in dynamic shared memory per CTA on sm_90.
+inline constexpr int kMaxSmemPerCta = 227 * 1024;
+
+}  // namespace pagedattn::cuda::attn
