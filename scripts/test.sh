@@ -5,21 +5,33 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+# Every build of this script goes through ccache when it is installed (scripts/deps-apt.txt), in
+# one cache under build/: the Python extension is configured like the release build (CUDA when
+# nvcc is found), so its library objects come from the cache instead of a second compile.
+use_ccache() {
+  if command -v ccache >/dev/null 2>&1; then
+    export CCACHE_DIR="${CCACHE_DIR:-$PWD/build/ccache}" CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
+    export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache
+  fi
+}
+
 # The Python package (`./scripts/test.sh --python-only` runs just this part): pinned build and
-# test dependencies from PyPI in a venv under build/, the extension built CPU-only (-j2) with
+# test dependencies from PyPI in a venv under build/, the extension built (-j2) with
 # `pip install .`, then pytest (the torch / CUDA tests skip without torch and a GPU).
 if [ "${1:-}" = "--python-only" ]; then
+  use_ccache
   venv=build/py-venv
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check \
     nanobind==3.1.0 scikit-build-core==1.1.2 numpy==2.4.6 pytest==9.2.0
   CMAKE_BUILD_PARALLEL_LEVEL=2 "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-    --no-build-isolation --config-settings=cmake.define.PAGEDATTN_ENABLE_CUDA=OFF .
+    --no-build-isolation .
   OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/python
   exit 0
 fi
 
 ./scripts/setup.sh
+use_ccache
 start=$(date +%s)
 # NCCL for pagedattn_nccl (the multi-GPU exchanges; compiled, never run here: no GPU). Not a
 # Debian package: when the CUDA code is compiled, the pinned nvidia-nccl-cu13 wheel goes into

@@ -239,7 +239,24 @@ int64_t first_unwritten_row(const TensorView& out, int64_t num_actual_tokens) {
 
 }  // namespace
 
+CaseOracle make_oracle(const OpCase& k) {
+  CaseOracle o;
+  o.data = make_case_data(k);
+  o.cache0 = make_initial_cache(k, o.data);
+  const auto ref64 = ref::make_backend(ref::Precision::kFloat64);
+  const auto lowp = ref::make_backend(ref::Precision::kLowPrecision);
+  o.exact = run_on(*ref64, k, o.data, o.cache0, DType::kF64, DType::kF64, Device::cpu(), 0);
+  o.naive = run_on(*lowp, k, o.data, o.cache0, k.config.dtype, DType::kF32, Device::cpu(), 0);
+  return o;
+}
+
 CaseResult run_case(const Backend& backend, const OpCase& k, const RunOptions& options) {
+  std::optional<CaseOracle> oracle;
+  return run_case(backend, k, oracle, options);
+}
+
+CaseResult run_case(const Backend& backend, const OpCase& k, std::optional<CaseOracle>& oracle,
+                    const RunOptions& options) {
   CaseResult res;
   const auto reasons = backend.check(BackendQuery{k.config, options.device});
   if (!reasons.empty()) {
@@ -247,18 +264,11 @@ CaseResult run_case(const Backend& backend, const OpCase& k, const RunOptions& o
     for (const auto& r : reasons) res.message += (res.message.empty() ? "" : "; ") + r;
     return res;
   }
-  CaseData data = make_case_data(k);
-  const Tensor cache0 = make_initial_cache(k, data);
-  const auto ref64 = ref::make_backend(ref::Precision::kFloat64);
-  const auto lowp = ref::make_backend(ref::Precision::kLowPrecision);
-  const RunOutputs exact =
-      run_on(*ref64, k, data, cache0, DType::kF64, DType::kF64, Device::cpu(), 0);
-  const RunOutputs naive =
-      run_on(*lowp, k, data, cache0, k.config.dtype, DType::kF32, Device::cpu(), 0);
+  if (!oracle) oracle = make_oracle(k);
   RunOutputs got;
   try {
-    got = run_on(backend, k, data, cache0, k.config.dtype, DType::kF32, options.device,
-                 options.perf_repeats);
+    got = run_on(backend, k, oracle->data, oracle->cache0, k.config.dtype, DType::kF32,
+                 options.device, options.perf_repeats);
   } catch (const NotSupported& e) {
     // An explicit refusal of what check() cannot see (the tensors' layout, e.g. a separate value
     // cache where a kernel reads one latent cache as K and V): reported, never compared.
@@ -266,9 +276,16 @@ CaseResult run_case(const Backend& backend, const OpCase& k, const RunOptions& o
     res.message = cat("refused at run time: ", e.what());
     return res;
   }
+  res = check_run(k, *oracle, got);
   res.seconds = got.seconds;
+  return res;
+}
 
-  const int64_t t_a = data.step.view().num_actual_tokens;
+CaseResult check_run(const OpCase& k, const CaseOracle& oracle, const RunOutputs& got) {
+  CaseResult res;
+  const RunOutputs& exact = oracle.exact;
+  const RunOutputs& naive = oracle.naive;
+  const int64_t t_a = oracle.data.step.view().num_actual_tokens;
   std::vector<std::string> failures;
   if (exact.cache.defined() &&
       std::memcmp(exact.cache.data(), got.cache.data(), exact.cache.view().nbytes()) != 0) {

@@ -1,6 +1,7 @@
 // Runs one OpCase on a backend and compares it with the float64 reference.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "cases.h"
@@ -61,9 +62,26 @@ struct RunOutputs {
 RunOutputs run_on(const Backend& backend, const OpCase& k, CaseData& data, const Tensor& cache0,
                   DType out_dtype, DType lse_dtype, Device device, int repeats);
 
-/// Generates the case's inputs, runs the backend (write_kv then forward, outputs poisoned
-/// first) and checks: the cache bytes it wrote equal the reference's, every output row of a
-/// real token was written, and output and LSE are within the budget of docs/testing.md.
+/// A case's inputs and the two reference runs that every backend is measured against: the
+/// float64 oracle and the naive low-precision run that sets the error budget. Built once per
+/// case and shared by every backend (and SIMD target) the case runs on.
+struct CaseOracle {
+  CaseData data;
+  Tensor cache0;     ///< the pre-step cache (make_initial_cache)
+  RunOutputs exact;  ///< ref in float64
+  RunOutputs naive;  ///< ref in the case's low precision
+};
+CaseOracle make_oracle(const OpCase& k);
+
+/// Runs the backend on the case's inputs (write_kv then forward, outputs poisoned first) and
+/// checks: the cache bytes it wrote equal the reference's, every output row of a real token was
+/// written, and output and LSE are within the budget of docs/testing.md. `oracle` is built on
+/// first use when empty (a case every backend refuses never pays for its references).
+CaseResult run_case(const Backend& backend, const OpCase& k, std::optional<CaseOracle>& oracle,
+                    const RunOptions& options = {});
+/// The checks of run_case on outputs already computed (`got`, e.g. the oracle's own naive run).
+CaseResult check_run(const OpCase& k, const CaseOracle& oracle, const RunOutputs& got);
+/// The same with an oracle of its own.
 CaseResult run_case(const Backend& backend, const OpCase& k, const RunOptions& options = {});
 
 }  // namespace pagedattn::backend_ops

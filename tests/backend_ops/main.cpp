@@ -69,85 +69,115 @@ struct Tally {
   int passed = 0, failed = 0, unsupported = 0;
 };
 
-Tally run_all(const Backend& b, const std::vector<OpCase>& cases, const Options& o,
-              bool print_failures) {
-  Tally t;
-  RunOptions ro{parse_device(o.device), 0};
-  for (const auto& k : cases) {
-    CaseResult r;
-    try {
-      r = run_case(b, k, ro);
-    } catch (const std::exception& e) {
-      r.passed = false;
-      r.message = std::string("threw: ") + e.what();
-    }
-    if (!r.supported) {
-      ++t.unsupported;
-    } else if (r.passed) {
-      ++t.passed;
-      if (o.verbose) {
-        std::printf("  ok    %-60s out %.2e (budget %.2e) lse %.2e\n", k.name.c_str(),
-                    r.output_error.max_abs, r.output_budget.max_abs, r.lse_error.max_abs);
-      }
-    } else {
-      ++t.failed;
-      if (print_failures)
-        std::printf("  FAIL  %s\n        %s\n", k.name.c_str(), r.message.c_str());
-    }
-  }
-  return t;
-}
+// One run of the matrix: a backend, and for the cpu backend optionally one forced SIMD target.
+struct Run {
+  std::string label;
+  const Backend* backend;
+  std::string cpu_target;  // empty: the backend's own choice
+  Tally tally;
+};
 
-int cmd_test(const Options& o);
-
-// Runs the test once per requested SIMD target of the cpu backend.
-int cmd_test_targets(const Options& o) {
+void force_cpu_target(const std::string& target) {
 #if PAGEDATTN_WITH_CPU_BACKEND
-  std::vector<std::string> targets = {o.cpu_target};
-  if (o.cpu_target == "all") targets = cpu::available_targets();
-  int rc = 0;
-  for (const auto& t : targets) {
-    if (!cpu::force_target(t)) {
-      throw InvalidArgument("--cpu-target '" + t + "' is not available on this CPU");
-    }
-    std::printf("== cpu SIMD target %s\n", cpu::current_target().c_str());
-    Options one = o;
-    one.cpu_target.clear();
-    rc |= cmd_test(one);
+  if (!cpu::force_target(target)) {
+    throw InvalidArgument("--cpu-target '" + target + "' is not available on this CPU");
   }
-  cpu::force_target("");
-  return rc;
 #else
-  (void)o;
-  throw InvalidArgument("--cpu-target: this build has no cpu backend");
+  if (!target.empty()) throw InvalidArgument("--cpu-target: this build has no cpu backend");
 #endif
 }
 
-int cmd_test(const Options& o) {
-  if (!o.cpu_target.empty()) return cmd_test_targets(o);
-  const auto cases = selected_cases(o);
-  auto under_test = backends_under_test(o);
-  const auto lowp = ref::make_backend(ref::Precision::kLowPrecision);
-  if (under_test.empty()) {
-    std::printf("no backend besides ref is registered; exercising the harness with ref_lowp\n");
-    under_test.push_back(lowp.get());
+// Runs every case on every run, cases outermost, so that each case's references are computed
+// once and shared by all runs (the float64 reference costs more than any backend under test).
+void run_matrix(std::vector<Run>& runs, const std::vector<OpCase>& cases, const Options& o) {
+  const RunOptions ro{parse_device(o.device), 0};
+  for (const auto& k : cases) {
+    std::optional<CaseOracle> oracle;
+    for (Run& run : runs) {
+      if (!run.cpu_target.empty()) force_cpu_target(run.cpu_target);
+      CaseResult r;
+      try {
+        r = run_case(*run.backend, k, oracle, ro);
+      } catch (const std::exception& e) {
+        r.passed = false;
+        r.message = std::string("threw: ") + e.what();
+      }
+      if (!run.cpu_target.empty()) force_cpu_target("");
+      if (!r.supported) {
+        ++run.tally.unsupported;
+      } else if (r.passed) {
+        ++run.tally.passed;
+        if (o.verbose) {
+          std::printf("  ok    %-14s %-60s out %.2e (budget %.2e) lse %.2e\n", run.label.c_str(),
+                      k.name.c_str(), r.output_error.max_abs, r.output_budget.max_abs,
+                      r.lse_error.max_abs);
+        }
+      } else {
+        ++run.tally.failed;
+        std::printf("  FAIL  %-14s %s\n        %s\n", run.label.c_str(), k.name.c_str(),
+                    r.message.c_str());
+      }
+    }
   }
+}
+
+// The runs `test` makes: every backend under test, the cpu backend once per SIMD target when
+// --cpu-target names one or `all`.
+std::vector<Run> test_runs(const Options& o, const Backend* fallback) {
+  std::vector<Run> runs;
+  for (const Backend* b : backends_under_test(o)) {
+    const std::string name(b->name());
+    std::vector<std::string> targets;
+#if PAGEDATTN_WITH_CPU_BACKEND
+    if (name == "cpu" && !o.cpu_target.empty()) {
+      targets =
+          o.cpu_target == "all" ? cpu::available_targets() : std::vector<std::string>{o.cpu_target};
+    }
+#else
+    if (!o.cpu_target.empty()) throw InvalidArgument("--cpu-target: this build has no cpu backend");
+#endif
+    if (targets.empty()) {
+      runs.push_back({name, b, "", {}});
+    } else {
+      for (const auto& t : targets) {
+        force_cpu_target(t);  // refuses a target this CPU lacks before anything runs
+        runs.push_back({name + ":" + t, b, t, {}});
+      }
+      force_cpu_target("");
+    }
+  }
+  if (runs.empty()) {
+    std::printf("no backend besides ref is registered; exercising the harness with ref_lowp\n");
+    runs.push_back({"ref_lowp", fallback, "", {}});
+  }
+  return runs;
+}
+
+int cmd_test(const Options& o) {
+  const auto cases = selected_cases(o);
+  const auto lowp = ref::make_backend(ref::Precision::kLowPrecision);
+  std::vector<Run> runs = test_runs(o, lowp.get());
+  for (const Run& run : runs) {
+    std::printf("backend %s: %zu cases\n", run.label.c_str(), cases.size());
+    const std::string_view name = run.backend->name();
+    for (const std::string& s : name == "cuda"  ? o.cuda_options
+                                : name == "cpu" ? o.cpu_options
+                                                : std::vector<std::string>{}) {
+      std::printf("  option %s\n", s.c_str());
+    }
+  }
+  run_matrix(runs, cases, o);
   int failures = 0;
-  for (const Backend* b : under_test) {
-    std::printf("backend %s: %zu cases\n", std::string(b->name()).c_str(), cases.size());
-    const std::vector<std::string>& set = b->name() == "cuda"  ? o.cuda_options
-                                          : b->name() == "cpu" ? o.cpu_options
-                                                               : std::vector<std::string>{};
-    for (const std::string& s : set) std::printf("  option %s\n", s.c_str());
-    const Tally t = run_all(*b, cases, o, true);
-    std::printf("backend %s: %d passed, %d failed, %d unsupported\n",
-                std::string(b->name()).c_str(), t.passed, t.failed, t.unsupported);
+  for (const Run& run : runs) {
+    const Tally& t = run.tally;
+    std::printf("backend %s: %d passed, %d failed, %d unsupported\n", run.label.c_str(), t.passed,
+                t.failed, t.unsupported);
     failures += t.failed;
     // A backend for another device (cuda when testing on the cpu) serves no case here: that
     // is fine unless it was asked for by name.
     const bool named = !o.backends.empty();
     if (t.passed == 0 && (named || t.unsupported < int(cases.size()))) {
-      std::printf("backend %s passed no case at all\n", std::string(b->name()).c_str());
+      std::printf("backend %s passed no case at all\n", run.label.c_str());
       ++failures;
     }
   }
@@ -188,23 +218,55 @@ int cmd_perf(const Options& o) {
   return 0;
 }
 
+// Each broken backend runs until a case catches it (the first catch is all the claim needs);
+// the naive low-precision reference runs every case and must pass them all.
 int cmd_selftest(const Options& o) {
   const auto cases = selected_cases(o);
-  int problems = 0;
-  for (Bug bug : all_bugs()) {
-    const auto b = make_broken_backend(bug);
-    const Tally t = run_all(*b, cases, o, false);
-    std::printf("%-28s caught by %3d of %zu cases\n", std::string(b->name()).c_str(), t.failed,
-                cases.size());
-    if (t.failed == 0) {
-      std::printf("  PROBLEM: no case catches %s\n", std::string(b->name()).c_str());
-      ++problems;
+  struct Suspect {
+    std::unique_ptr<Backend> backend;
+    std::string caught_by;  // the first case that failed it
+  };
+  std::vector<Suspect> suspects;
+  for (Bug bug : all_bugs()) suspects.push_back({make_broken_backend(bug), ""});
+  Tally lowp_tally;
+  const RunOptions ro{parse_device(o.device), 0};
+  for (const auto& k : cases) {
+    std::optional<CaseOracle> oracle;
+    for (Suspect& s : suspects) {
+      if (!s.caught_by.empty()) continue;
+      CaseResult r;
+      try {
+        r = run_case(*s.backend, k, oracle, ro);
+      } catch (const std::exception&) {
+        r.passed = false;  // a throw is a failure the harness reports too
+      }
+      if (r.supported && !r.passed) s.caught_by = k.name;
+    }
+    // The naive low-precision run is the oracle's own: checked as any backend's output is.
+    if (!oracle) oracle = make_oracle(k);
+    const CaseResult r = check_run(k, *oracle, oracle->naive);
+    if (!r.supported) {
+      ++lowp_tally.unsupported;
+    } else if (r.passed) {
+      ++lowp_tally.passed;
+    } else {
+      ++lowp_tally.failed;
+      std::printf("  FAIL  ref_lowp %s\n        %s\n", k.name.c_str(), r.message.c_str());
     }
   }
-  const auto lowp = ref::make_backend(ref::Precision::kLowPrecision);
-  const Tally t = run_all(*lowp, cases, o, true);
-  std::printf("%-28s passes %d of %zu cases\n", "ref_lowp (must pass all)", t.passed, cases.size());
-  if (t.failed) ++problems;
+  int problems = 0;
+  for (const Suspect& s : suspects) {
+    const std::string name(s.backend->name());
+    if (s.caught_by.empty()) {
+      std::printf("%-28s PROBLEM: no case catches it\n", name.c_str());
+      ++problems;
+    } else {
+      std::printf("%-28s caught by %s\n", name.c_str(), s.caught_by.c_str());
+    }
+  }
+  std::printf("%-28s passes %d of %zu cases\n", "ref_lowp (must pass all)", lowp_tally.passed,
+              cases.size());
+  if (lowp_tally.failed) ++problems;
   return problems == 0 ? 0 : 1;
 }
 

@@ -210,39 +210,26 @@ void CudaImpl::write_kv(const WriteKVArgs& a) {
   write_->launch(p, stream);
 }
 
-void CudaImpl::forward(const ForwardArgs& a) {
-  const AttentionConfig& cfg = config_;
-  require(a.metadata != nullptr, "metadata is required");
-  const AttentionMetadata& md = *a.metadata;
-  const bool cached = uses_kv_cache(cfg.attn_type);
-  require_on(a.query, device_, "query");
-  require_on(a.output, device_, "output");
+namespace {
+
+// forward's checks of the caller's query, output and LSE views.
+void check_forward_views(const ForwardArgs& a, const AttentionConfig& cfg, Device device) {
+  require_on(a.query, device, "query");
+  require_on(a.output, device, "output");
   require<NotSupported>(a.output.dtype == cfg.dtype, "cuda backend: output must be ",
                         dtype_name(cfg.dtype), " (the activation dtype); got ", describe(a.output));
   if (a.lse.defined()) {
-    require_on(a.lse, device_, "lse");
+    require_on(a.lse, device, "lse");
     require<NotSupported>(a.lse.dtype == DType::kF32 || a.lse.dtype == DType::kF64,
                           "cuda backend: lse must be float32 or float64; got ", describe(a.lse));
   }
-  ScopedDevice guard(device_.index);
-  const cudaStream_t stream = stream_of(a.stream);
-  if (checked_) {
-    const CacheGeometry geometry =
-        cached ? CacheGeometry{a.kv_cache.num_blocks(), a.kv_cache.block_size()} : CacheGeometry{};
-    validate_device_metadata(md, cfg.attn_type, geometry, stream);
-  }
-  if (md.num_seqs <= 0 || md.num_actual_tokens <= 0 || md.max_query_len <= 0) return;
-  require_on(md.query_start_loc, device_, "metadata.query_start_loc");
-  if (mla_ != nullptr) {
-    forward_mla(a, stream);
-    return;
-  }
-  require<NotSupported>(a.output.size(2) == cfg.head_size,
-                        "cuda backend: an output narrower than head_size (", describe(a.output),
-                        ") is served by the MLA latent kernel only (head size 576)");
+}
 
-  const auto* plan = dynamic_cast<const CudaPlan*>(a.plan);
-  attn::AttnParams p{};
+// The query the kernels read: the caller's, or under query_quant its e4m3 copy in the plan's
+// workspace, written by the quantisation kernel launched here.
+void set_query(attn::AttnParams& p, const ForwardArgs& a, const AttentionConfig& cfg,
+               const CudaPlan* plan, cudaStream_t stream) {
+  const AttentionMetadata& md = *a.metadata;
   p.q = a.query.data;
   p.q_stride_token = a.query.stride(0);
   p.q_stride_head = a.query.stride(1);
@@ -273,6 +260,10 @@ void CudaImpl::forward(const ForwardArgs& a) {
     p.q_stride_head = cfg.head_size;
     p.vec_q = cfg.head_size % 8 == 0;
   }
+}
+
+// The output and the optional LSE.
+void set_outputs(attn::AttnParams& p, const ForwardArgs& a) {
   p.out = a.output.data;
   p.out_stride_token = a.output.stride(0);
   p.out_stride_head = a.output.stride(1);
@@ -283,10 +274,15 @@ void CudaImpl::forward(const ForwardArgs& a) {
     p.lse_stride_token = a.lse.stride(1);
     p.lse_is_f64 = a.lse.dtype == DType::kF64;
   }
-  const TensorView& k = cached ? a.kv_cache.key : a.key;
-  const TensorView& v = cached ? a.kv_cache.value : a.value;
-  require_on(k, device_, cached ? "kv_cache.key" : "key");
-  require_on(v, device_, cached ? "kv_cache.value" : "value");
+}
+
+// K and V: the paged cache (through the block table), or for encoder types the step's own key
+// and value rows; and the dtype the kernels read them as.
+void set_kv(attn::AttnParams& p, const ForwardArgs& a, const TensorView& k, const TensorView& v,
+            bool cached, Device device, DType cache_dtype) {
+  const AttentionMetadata& md = *a.metadata;
+  require_on(k, device, cached ? "kv_cache.key" : "key");
+  require_on(v, device, cached ? "kv_cache.value" : "value");
   require_16b_rows(k, cached ? "kv_cache.key" : "key", cached ? 3 : 2);
   require_16b_rows(v, cached ? "kv_cache.value" : "value", cached ? 3 : 2);
   p.k = k.data;
@@ -298,8 +294,8 @@ void CudaImpl::forward(const ForwardArgs& a) {
     p.v_stride_block = v.stride(0);
     p.v_stride_page = v.stride(1);
     p.v_stride_head = v.stride(2);
-    require_on(md.seq_lens, device_, "metadata.seq_lens");
-    require_on(md.block_table, device_, "metadata.block_table");
+    require_on(md.seq_lens, device, "metadata.seq_lens");
+    require_on(md.block_table, device, "metadata.block_table");
     p.block_table = static_cast<const int32_t*>(md.block_table.data);
     p.block_table_stride_seq = md.block_table.stride(0);
     p.block_table_stride_block = md.block_table.stride(1);
@@ -313,7 +309,11 @@ void CudaImpl::forward(const ForwardArgs& a) {
     p.v_stride_head = v.stride(1);
     p.block_size = 1;
   }
-  p.kv_dtype = int(cache_dtype_);
+  p.kv_dtype = int(cache_dtype);
+}
+
+// The step's requests and the layer's sizes.
+void set_rows(attn::AttnParams& p, const AttentionMetadata& md, const AttentionConfig& cfg) {
   p.query_start_loc = static_cast<const int32_t*>(md.query_start_loc.data);
   p.seq_lens = md.seq_lens.defined() ? static_cast<const int32_t*>(md.seq_lens.data) : nullptr;
   p.num_seqs = md.num_seqs;
@@ -323,7 +323,12 @@ void CudaImpl::forward(const ForwardArgs& a) {
   p.head_size = cfg.head_size;
   p.num_q_tiles = int((int64_t(md.max_query_len) * p.group + decode::kRows - 1) / decode::kRows);
   p.num_actual_tokens = md.num_actual_tokens;
+}
 
+// The model's features: the softmax scale in log2 units (k_scale and q_scale folded in), soft
+// cap, ALiBi, sinks, v scale, causal and sliding-window masks.
+void set_features(attn::AttnParams& p, const ForwardArgs& a, const AttentionConfig& cfg,
+                  bool cached, const Tensor& alibi_slopes, const Tensor& sinks) {
   const bool fp8 = cached && is_fp8(cfg.kv_cache_dtype);
   const float scale =
       cfg.scale * (fp8 ? a.scales.k_scale : 1.0f) * (cfg.query_quant ? a.scales.q_scale : 1.0f);
@@ -333,13 +338,19 @@ void CudaImpl::forward(const ForwardArgs& a) {
     p.softcap_arg_scale = scale / p.softcap;
     p.softcap_log2 = p.softcap * kLog2e;
   }
-  p.alibi_slopes = alibi_slopes_.defined() ? alibi_slopes_.data_as<const float>() : nullptr;
-  p.sinks = sinks_.defined() ? sinks_.data_as<const float>() : nullptr;
+  p.alibi_slopes = alibi_slopes.defined() ? alibi_slopes.data_as<const float>() : nullptr;
+  p.sinks = sinks.defined() ? sinks.data_as<const float>() : nullptr;
   p.v_scale = fp8 ? a.scales.v_scale : 1.0f;
   p.causal = cfg.causal();
   p.window = cfg.sliding_window.value_or(0);
   p.window_right = cfg.attn_type == AttentionType::kEncoderOnly && p.window > 0;
+}
 
+// Split-KV partials into the workspace when the plan splits (the plan checked against this
+// call); unsplit without one.
+void set_splits(attn::AttnParams& p, const ForwardArgs& a, const AttentionConfig& cfg,
+                const CudaPlan* plan) {
+  const AttentionMetadata& md = *a.metadata;
   // Splits come from the plan; without one (or without a workspace) the launch is unsplit.
   p.num_splits = 1;
   if (plan != nullptr && plan->num_splits > 1) {
@@ -359,6 +370,49 @@ void CudaImpl::forward(const ForwardArgs& a) {
         static_cast<char*>(a.workspace.data) +
         split_lse_offset(p.num_splits, md.num_actual_tokens, cfg.num_heads, cfg.head_size));
   }
+}
+
+}  // namespace
+
+void CudaImpl::forward(const ForwardArgs& a) {
+  const AttentionConfig& cfg = config_;
+  require(a.metadata != nullptr, "metadata is required");
+  const AttentionMetadata& md = *a.metadata;
+  const bool cached = uses_kv_cache(cfg.attn_type);
+  check_forward_views(a, cfg, device_);
+  ScopedDevice guard(device_.index);
+  const cudaStream_t stream = stream_of(a.stream);
+  if (checked_) {
+    const CacheGeometry geometry =
+        cached ? CacheGeometry{a.kv_cache.num_blocks(), a.kv_cache.block_size()} : CacheGeometry{};
+    validate_device_metadata(md, cfg.attn_type, geometry, stream);
+  }
+  if (md.num_seqs <= 0 || md.num_actual_tokens <= 0 || md.max_query_len <= 0) return;
+  require_on(md.query_start_loc, device_, "metadata.query_start_loc");
+  if (mla_ != nullptr) {
+    forward_mla(a, stream);
+    return;
+  }
+  require<NotSupported>(a.output.size(2) == cfg.head_size,
+                        "cuda backend: an output narrower than head_size (", describe(a.output),
+                        ") is served by the MLA latent kernel only (head size 576)");
+
+  const auto* plan = dynamic_cast<const CudaPlan*>(a.plan);
+  attn::AttnParams p{};
+  set_query(p, a, cfg, plan, stream);
+  set_outputs(p, a);
+  const TensorView& k = cached ? a.kv_cache.key : a.key;
+  const TensorView& v = cached ? a.kv_cache.value : a.value;
+  set_kv(p, a, k, v, cached, device_, cache_dtype_);
+  set_rows(p, md, cfg);
+  set_features(p, a, cfg, cached, alibi_slopes_, sinks_);
+  set_splits(p, a, cfg, plan);
+  launch_attention(p, a, k, v, cached, stream);
+}
+
+void CudaImpl::launch_attention(attn::AttnParams& p, const ForwardArgs& a, const TensorView& k,
+                                const TensorView& v, bool cached, cudaStream_t stream) const {
+  const AttentionMetadata& md = *a.metadata;
   // Rows: requests with more than kDecodeMaxRows packed rows go to the prefill kernel (all of
   // them under the option prefill=all), the rest to the decode kernel; each kernel skips
   // the other's requests on the device, so the grids need only the longest query. The prefill

@@ -28,6 +28,11 @@ class CudaImpl final : public AttentionImpl {
   void forward(const ForwardArgs& args) override;
 
  private:
+  // forward's launches once `p` is built: the prefill kernel for the requests with more than
+  // prefill::kDecodeMaxRows packed rows (all of them under PrefillRoute::kAll), the decode
+  // kernel for the rest, then the split combine.
+  void launch_attention(attn::AttnParams& p, const ForwardArgs& args, const TensorView& k,
+                        const TensorView& v, bool cached, cudaStream_t stream) const;
   // Head size 576: the latent kernel (cuda/mla) and, when split, its combine.
   void forward_mla(const ForwardArgs& args, cudaStream_t stream);
   // The Hopper prefill kernel's TMA maps over K and V (attn::AttnParams::kv_tma), when
