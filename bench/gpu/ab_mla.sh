@@ -14,8 +14,8 @@
 # @out-cols=576 times bench_mla with --out-cols 576 instead. Each path holds tests/backend_ops
 # and bench/gpu/bench_mla (a build of another commit: its cuda-sm90 build's binaries copied
 # under build/ab/<name>/). POINTS (bench_mla --only labels, comma separated) and ROUNDS (default
-# 2) change the timing part; CHECK=0 skips the checks (about 50 s per build on an H100: give the
-# call's timeout room for both parts), CHECK=a,b checks only the builds named a and b. Writes
+# 2) change the timing part; CHECK=0 skips the checks (about 50 s per build: give the call's
+# timeout room for both parts), CHECK=a,b checks only the builds named a and b. Writes
 # $OUT/ab_mla.txt and $OUT/ab_mla_logs.tar.gz (few files: the device returns a limited number);
 # the table ends with every build's time per round.
 set -u

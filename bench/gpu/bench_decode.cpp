@@ -8,7 +8,7 @@
 // --only keeps the points whose label contains one of the substrings (ncu runs use it).
 //
 // Bytes counted: each valid K and V byte once (sum over requests of seq_len * Hkv * D * elem
-// * 2); split partials, Q and O are not counted (docs/kernel_notes.md). The device copy rate
+// * 2); split partials, Q and O are not counted (docs/kernels/decode.md). The device copy rate
 // (a 1 GiB device-to-device cudaMemcpy, read + write counted) is measured in the same run.
 #include <cuda_runtime.h>
 

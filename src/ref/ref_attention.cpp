@@ -67,7 +67,7 @@ struct HeadKV {
 
 // q.k the way fp8 tensor-core products accumulate it (query_quant): the e4m3 x e4m3 products
 // are exact, but Hopper's fp8 MMA keeps only about 14 significant bits of the running sum
-// (DeepSeek-V3 technical report, 3.3.2; the H200 shows errors of that size: docs/testing.md).
+// (DeepSeek-V3 technical report, 3.3.2; Hopper's fp8 kernel errs that much: docs/testing.md).
 // Modelled one bit coarser, as truncation to 13 bits after each k step of 32 products.
 float fp8_mma_dot(const std::vector<double>& q, const HeadKV& kv, int64_t j) {
   constexpr int kStep = 32, kBits = 13;

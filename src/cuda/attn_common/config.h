@@ -11,8 +11,10 @@ namespace pagedattn::cuda::attn {
 /// How a compiled instance reads the KV cache.
 enum class KVKind : uint8_t {
   kSame,  ///< 16-bit cache of the activation dtype: tensor cores straight from the stage
-  kFp8,   ///< e4m3 / e5m2 (chosen at run time): widened exactly to the activation dtype in
-          ///< registers (in smem at head size 80)
+  kFp8,   ///< e4m3 / e5m2 (chosen at run time), widened exactly: by decode to f16 in
+          ///< registers (to the activation dtype in smem at head size 80), by the prefill
+          ///< kernels in smem (portable: to the activation dtype; Hopper: to f16, except
+          ///< the fp8 products, which read e4m3 as it is)
   kAny,   ///< any cache dtype and any head size (run time): float CUDA-core math, the slow path
 };
 

@@ -13,9 +13,8 @@ int choose_num_splits(const SplitInputs& in) {
   if (in.num_sms <= 0 || in.ctas_per_sm <= 0) return 1;
   // Work in units of 1 / (dc * pc) of an SM, so both kernels' CTAs count in integers: a decode
   // CTA (dc per SM) is pc units, a prefill CTA (pc per SM) dc units. The Hopper prefill kernel
-  // holds a whole SM: weighing its CTAs as decode CTAs over-split chunked prefill [H200,
-  // bench/results/2026-12-04-h200-pingpong-cee695b.txt: h8/1 q256 over 8k-32k 15 splits ran
-  // 0.74-0.85x of 8, q1024 4 splits 0.91-0.97x of 2].
+  // holds a whole SM: weighing its CTAs as decode CTAs over-split chunked prefill (h8/1 q256
+  // over 8k-32k: 15 splits ran at 0.74-0.85x of 8; q1024: 4 splits at 0.91-0.97x of 2).
   const int64_t dc = in.ctas_per_sm;
   const int64_t pc = in.prefill_ctas_per_sm > 0 ? in.prefill_ctas_per_sm : in.ctas_per_sm;
   const int64_t slots = int64_t(in.num_sms) * dc * pc;

@@ -69,7 +69,7 @@ constexpr SmemLayout smem_layout(int head_size, int kv_elem_bytes, bool mma, boo
 /// CTA per SM with as many stages (up to 4) as fit in 227 KB. fp8 widened in registers reads
 /// half the bytes per tile and left the issue slots ~55% idle with 2 warps per scheduler: it
 /// takes three CTAs (12 warps) per SM with 3-4 stages when they fit, the same bytes in flight
-/// as 2 x 4 stages (measured +5% at batch 64, 4k: docs/kernel_notes.md, v4).
+/// as 2 x 4 stages (+5% at batch 64, 4k: docs/kernels/decode.md).
 constexpr int mma_stages(int head_size, int kv_elem_bytes, bool widen) {
   if (kv_elem_bytes == 1 && !widen) {
     for (int stages = 4; stages >= 3; --stages) {
@@ -112,9 +112,10 @@ struct Traits {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kKvBytes = kKV == KVKind::kSame ? 2 : (kKV == KVKind::kFp8 ? 1 : 4);
   /// fp8 widened in registers: each lane reads its B fragments' bytes with 32-bit-or-wider LDS
-  /// and builds the 16-bit pairs with integer ops and one exact multiply (kernel.cuh,
-  /// Fp8Widen). It needs head_size / 32 whole words per lane and token (head sizes that are
-  /// multiples of 32); head size 80 keeps the smem widening pass.
+  /// and converts two codes to f16 per cvt (fp8x2_f16, tile.cuh); the products run in f16
+  /// whatever the activation type (a bf16 Q scaled into f16, q_row_shift). It needs head_size /
+  /// 32 whole words per lane and token (head sizes that are multiples of 32); head size 80
+  /// keeps the smem widening pass.
   static constexpr bool kRegFp8 = kKV == KVKind::kFp8 && kHeadSize % 32 == 0;
   /// A widened copy of each stage in smem (generic kernel; fp8 at head size 80).
   static constexpr bool kWiden = kKV == KVKind::kAny || (kKV == KVKind::kFp8 && !kRegFp8);

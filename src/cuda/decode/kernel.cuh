@@ -19,8 +19,11 @@
 //   math      tensor-core instances: S = Q K^T and O += P V with mma.sync m16n8k16 (fp32
 //             accumulation), Q and K/V fed by ldmatrix from padded rows, P rounded to the
 //             activation dtype as the reference's low-precision model does; an fp8 cache
-//             (head sizes that are multiples of 32) is widened in registers from 16/8/4-byte
-//             LDS of the stage (Fp8Widen, with Q stored in fragment order). The generic
+//             (head sizes that are multiples of 32) is converted to f16 in registers from
+//             16/8/4-byte LDS of the stage, two codes per cvt (fp8x2_f16), and multiplied in
+//             f16 whatever the activation type (a bf16 Q scaled into f16 row by row,
+//             q_row_shift; Q stored in fragment order); at head size 80 the stage is widened in
+//             smem to the activation type (widen.cuh). The generic
 //             instance does the same in float on CUDA cores. Softmax runs in log2 units (one
 //             exp2 per score; log2(e) folded into the scale).
 //   loads     16-byte cp.async.cg, whole rows per copy instruction; the row address of every
@@ -29,7 +32,7 @@
 //             masked. Launched with programmatic dependent launch (griddepcontrol).
 //   budget    smem: config.h smem_layout (e.g. 106 KB at head size 128 bf16: 2 CTAs per SM,
 //             ~128 KB of loads in flight per SM; 58 KB at fp8 d128: 3 CTAs); registers: O is
-//             head_size / 2 floats per thread. docs/kernel_notes.md has the ptxas figures.
+//             head_size / 2 floats per thread. docs/kernels/decode.md has the ptxas figures.
 //   test      tests/cuda and `backend_ops test --device cuda` (every feature against float64);
 //             time with bench/gpu/bench_decode (bench/gpu/run.sh runs both).
 //   stages    cta.cuh (the CTA's work and rows, the Q tile), pipeline.cuh (each warp's block-

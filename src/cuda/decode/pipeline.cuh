@@ -18,9 +18,9 @@ namespace pagedattn::cuda::decode {
 
 // Copy mapping: chunk c (16 bytes) of a tile's K (or V) rows, in row-major order, goes to
 // lane c % 32, so one copy instruction covers whole rows (2 rows of 256 bytes at bf16 d128,
-// 4 of 128 at fp8 d128): full 128-byte lines, the row's bytes requested together. (A
-// version that gave each lane two whole rows, 64 bytes per row per instruction, read at
-// 0.86 of the copy rate instead of 0.99: docs/kernel_notes.md, v2.) Lane l looks up row
+// 4 of 128 at fp8 d128): full 128-byte lines, the row's bytes requested together. (Two
+// whole rows per lane, 64 bytes per row per instruction, read at 0.86 of the copy rate
+// instead of 0.99: docs/kernels/decode.md.) Lane l looks up row
 // l % 16 of a tile one tile ahead; the copies fetch its 64-bit offsets by shuffle.
 struct RowRef {
   uint32_t block, offset;

@@ -26,8 +26,8 @@ __device__ __forceinline__ uint64_t l2_evict_first_policy() {
 /// write zeros and read nothing; `src` must still be a valid address).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes,
                                             uint64_t policy) {
-  // The L2 cache-hint form of this copy raised "illegal instruction" on the H200 (driver
-  // 580, 2026-12-02) for some launches; the policy is kept in the signature for a retry.
+  // The L2 cache-hint form of this copy raises "illegal instruction" in some launches (driver
+  // 580, sm_90: docs/kernels/decode.md), so the policy is taken and ignored, ready for a retry.
   (void)policy;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes)
