@@ -104,7 +104,7 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
       mla_wide_ = mla::find_mla(config.dtype, cache_dtype_, config.num_heads, c, mla::kEntry);
     }
     // Steps whose requests have at most 16 packed rows (16 heads x 1 token) take swap AB under
-    // auto: no padded rows ([H100] fp8 cache +23-26%, 16-bit +1.5-3%, where it is memory-bound);
+    // auto: no padded rows (fp8 cache +23-26%, 16-bit +1.5-3%, where it is memory-bound);
     // at most 32 (16 heads x 2, 32 heads x 1) its 32-row CTAs.
     if (options.mla_consumer == mla::Consumer::kAuto) {
       for (int i = 0; i < 2; ++i) {
@@ -429,8 +429,8 @@ void CudaImpl::launch_attention(attn::AttnParams& p, const ForwardArgs& a, const
     pp.persistent = std::min(prefill_persistent_, prefill_resident_);
     // The dynamic walk where most work tiles have rows and K/V come by TMA: where the producer
     // copies them by cp.async it is the busiest role, and the draw on its path cost ViT d80 3%
-    // against the static snake (the fp8 caches within 1% either way) [H200, calls 1-2 of
-    // bench/results/2026-12-04-h200-dynamic-d908f9c.txt].
+    // against the static snake, the fp8 caches within 1% either way (docs/kernels/prefill.md,
+    // "Tried and did not pay").
     const bool dynamic = tile_counter_.defined() && pp.kv_tma != 0 &&
                          prefill::dynamic_walk_pays(md.num_actual_tokens, md.num_seqs, p.group,
                                                     prefill_->block_m, pp.num_q_tiles);
@@ -631,8 +631,8 @@ void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {
         static_cast<char*>(a.workspace.data) +
         split_lse_offset(plan->num_splits, md.num_actual_tokens, cfg.num_heads, cfg.head_size));
   }
-  // Up to kMaxClusterSplits splits of a swap AB step merge inside one cluster (no partials, no
-  // combine; cluster_merge.cuh): [H100] see docs/kernel_notes.md "Split merge in a cluster".
+  // Up to kMaxClusterSplits splits merge inside one cluster where the kernel can (swap AB,
+  // split-S's 512 columns: no partials, no combine; cluster_merge.cuh says why), else combine.
   p.split_cluster =
       p.num_splits > 1 && p.num_splits <= mla::kMaxClusterSplits && kernel->cluster_merge
           ? p.num_splits

@@ -4,10 +4,9 @@
 //
 // Why: the partials' round trip (2 KB a row a split, written as every CTA ends, read back by a
 // kernel that starts when the last CTA is done) and the kernel boundary: this merge is 2.1-2.4%
-// faster at 16 heads x 1-2 tokens and 32 x 1, b64, two splits [H100,
-// bench/results/2026-12-06-h100-mla-cluster-merge.txt]. Split-S's 64-row CTAs (16 heads x 4
-// tokens) hold 4x the rows: there it is 4% faster than the combine kernel at b64, bf16 (and within
-// 0-2% of it over fp8) [H100, 2026-12-06-h100-mla-split-s-512.txt].
+// faster at 16 heads x 1-2 tokens and 32 x 1, b64, two splits. Split-S's 64-row CTAs (16 heads x
+// 4 tokens) hold 4x the rows: there it is 4% faster than the combine kernel at b64, bf16 (and
+// within 0-2% of it over fp8). docs/kernels/mla.md has the figures.
 //
 // Map (kernel.cuh's "split merge")
 //   owners   CTA rank r of the cluster (its split, blockIdx.y) owns latent columns [r cpc,

@@ -36,7 +36,7 @@ struct Work {
 
 // False when the CTA has no rows (an M tile of block_m rows past its request's q_len * N rows).
 __device__ __forceinline__ bool mla_work(const MlaParams& p, int block_m, Work& w) {
-  // A request's M tiles, which read the same K/V tiles, are adjacent CTAs: [H100] 3-4% faster
+  // A request's M tiles, which read the same K/V tiles, are adjacent CTAs: 3-4% faster
   // at 128 heads than request-fastest (the pair num_seqs CTAs apart); 16 heads unchanged.
   const int x = int(blockIdx.x);
   w.r = x / p.num_m_tiles;

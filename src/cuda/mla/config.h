@@ -36,8 +36,8 @@ inline constexpr int kPanels = kEntry / 64;
 inline constexpr int kLatent = 512;
 /// Packed rows (q_len * N) per CTA: one wgmma M tile. 16 heads x 1 token fill a quarter of it
 /// (the zero rows cost tensor-core time and shared-memory reads: at 16 heads the consumers'
-/// chain, not the copies, binds an fp8 cache, and an H200's bandwidth would make it bind a
-/// 16-bit one). kSwapAB / kSwapAB32 put the rows on wgmma's N side instead: 16 / 32 per CTA.
+/// chain, not the copies, binds an fp8 cache, and more bandwidth (~4.2 TB/s) would make it
+/// bind a 16-bit one). kSwapAB / kSwapAB32 put the rows on wgmma's N side instead: 16 / 32 per CTA.
 inline constexpr int kBlockM = 64;
 constexpr int block_m_for(Consumer c) {
   return c == Consumer::kSwapAB ? 16 : c == Consumer::kSwapAB32 ? 32 : kBlockM;
@@ -148,7 +148,7 @@ constexpr int raw_slots_for(KVKind kv, Consumer c) {
 }
 /// The ring the producer fills and the `full` / `empty` barriers count: the 16-bit stages (also
 /// fp8 in place), or for fp8 the raw slots (the consumers widen a slot into a stage themselves:
-/// with the producer's 4 warps widening, [H100] 80 of the 247 us at h16 b64 c8192 were the
+/// with the producer's 4 warps widening, 80 of the 247 us at h16 b64 c8192 were the
 /// widening in series with the consumers, whose chain alone took 166).
 constexpr int ring_for(KVKind kv, Consumer c) {
   return kv == KVKind::kSame || raw_in_stage_for(kv, c) ? stages_for(kv, c) : raw_slots_for(kv, c);

@@ -198,7 +198,7 @@ __device__ __forceinline__ void seesaw_warpgroup(const MlaParams& p, const Work&
     if (j >= 2) release(j - 2);
     float sacc[kSn][4], m_new[2], sum[2];
     // The other's P V before S_j: its half of tile j - 1 frees ~one S earlier, and the
-    // producer refills it sooner ([H100] 1.5-3.5% at 128 heads over S_j first).
+    // producer refills it sooner (1.5-3.5% at 128 heads over S_j first).
     join_other(j - 1);
     issue_s(sacc, j);
     sm90::wgmma_wait<2>();  // P_{j-1} V done; S_j's two groups still run

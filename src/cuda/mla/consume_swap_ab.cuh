@@ -18,11 +18,11 @@
 // writes tile j's while the other may still read tile j - 1's.
 // Over fp8 (Traits::kFragsFromRaw) no tile is widened into shared memory: each thread loads its
 // A fragments' bytes from the raw tile and converts them to f16 in registers (wgmma RS;
-// frags_fp8.cuh), so the ring is five raw slots with 16 rows ([H100] +7-15% over two widened
-// stages and one raw slot, 2026-12-06-h100-mla-fp8-frags-from-raw.txt and -cvt-halves.txt) and
-// four with 32. With 32 rows S^T's k steps are then split too (m64n32k16, 18 a warpgroup: its
-// fragments are half of the tile's K, not all of it), each thread sends the 8 partial sums of
-// the other warpgroup's rows, and each warpgroup runs the softmax of its own 16 rows as above.
+// frags_fp8.cuh), so the ring is five raw slots with 16 rows (+7-15% over two widened stages
+// and one raw slot) and four with 32. With 32 rows S^T's k steps are then split too (m64n32k16,
+// 18 a warpgroup: its fragments are half of the tile's K, not all of it), each thread sends the 8
+// partial sums of the other warpgroup's rows, and each warpgroup runs the softmax of its own 16
+// rows as above.
 #pragma once
 
 #include <cstdint>
@@ -63,8 +63,8 @@ __device__ __forceinline__ void consume_swap_ab(const MlaParams& p, const Work& 
   constexpr int kI = kRows / 8;  // accumulator row groups of O^T (m64n16: 2, m64n32: 4)
   sm90::setmaxnreg_inc<T::kConsumerRegs>();
   // S^T's k steps or rows; O^T's columns 256 cw ... Through lane 0 so that ptxas knows it is
-  // warp-uniform and keeps the descriptors it selects in uniform registers (fp8 on an
-  // H100: 16 rows +3-7%, 32 rows +6-12%).
+  // warp-uniform and keeps the descriptors it selects in uniform registers (fp8: 16 rows
+  // +3-7%, 32 rows +6-12%).
   const int cw = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128 - 1, 0);
   const int ct = int(threadIdx.x) % 128;
   const int warp = ct >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;

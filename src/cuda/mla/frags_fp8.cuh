@@ -2,7 +2,7 @@
 // built in registers from the raw fp8 tile, so no tile is widened into shared memory.
 //
 // Why: the widened tile cost 72 KB of shared memory per stage, which left room for one 36 KB raw
-// tile in flight beside Q and two 16-bit stages ([H100] the 16-row fp8 chain ran at 0.57-0.72 of
+// tile in flight beside Q and two 16-bit stages (the 16-row fp8 chain ran at 0.57-0.72 of
 // the copy rate, ~4500 cycles a tile), plus 72 KB of stores and ~170 KB of wgmma reads a tile.
 // Here the ring is five raw slots and each thread reads 272 bytes of a tile; the products run in
 // f16 (q_to_f16 below).

@@ -16,10 +16,11 @@
 //             (64 keys x 576) into nine 128-byte-swizzled panels (the wgmma canonical layout):
 //             16-byte cp.async, 8 lanes per row, each lane one chunk of every panel (fixed
 //             swizzle, immediate offsets), row offsets from the block table in a smem table whose
-//             next tile's lookup is in flight during this tile's copies (ncu: the producer set
-//             the pace before); completion arrives on the stage's `full` mbarrier. With
-//             p.kv_tma, full tiles of a 16-bit cache come instead by TMA (one box per panel
-//             and block, issued by thread 0 with the tile's byte count, L2 evict-first). fp8
+//             next tile's lookup is in flight during this tile's copies (looked up in series,
+//             the producer set the pace [ncu]); completion arrives on the stage's `full`
+//             mbarrier. With p.kv_tma, full tiles of a 16-bit cache come instead by TMA (one box
+//             per panel: block sizes that are multiples of 64, so a tile lies in one block;
+//             issued by thread 0 with the tile's byte count, L2 evict-first). fp8
 //             caches: the raw tile lands in natural order, which the consumers widen into a
 //             16-bit stage (widen.cuh): split-S's raw tile in the back half of that stage
 //             itself (two stages; tile j + 1 widened while tile j's P V runs); swap AB's in five

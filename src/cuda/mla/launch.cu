@@ -50,9 +50,9 @@ const char* consumer_name(Consumer c) {
   return "auto";
 }
 
-// [H100, bench/results/2026-12-05-h100-mla-seesaw-halves.txt] the seesaw with per-half stage
-// release: 128 heads x 1 token 1.04-1.10x split-S (two M tiles per request, L2 serves the
-// second CTA's reads: latency-bound); 16 heads 0.93-0.96x (DRAM-bound: one M tile).
+// The seesaw (per-half stage release) against split-S: 128 heads x 1 token 1.04-1.10x (two M
+// tiles per request, L2 serves the second CTA's reads: latency-bound); 16 heads 0.93-0.96x
+// (DRAM-bound: one M tile). Current figures: docs/kernels/mla.md.
 // Swap AB is not a default here: it serves steps, not configurations (the backend takes it
 // under auto when a step's requests have at most its 16 or 32 rows: impl.cpp, cuda_backend.cpp's
 // plan).

@@ -119,7 +119,7 @@ __device__ __forceinline__ void produce(const MlaParams& p, const Work& w, unsig
     // arrive; the split's last, partial tile still goes by cp.async (its rows past the split
     // read the last key, which a box cannot do).
     // A request's lines are read by its M-tile CTAs and then never again: marked evict-first
-    // ([H100] 0.5-1.6% faster at 16 and 128 heads; FlashMLA marks its K loads the same way).
+    // (0.5-1.6% faster at 16 and 128 heads; FlashMLA marks its K loads the same way).
     const uint64_t evict_first = sm80::l2_evict_first_policy();
     using P0 = std::integral_constant<int, 0>;
     using PH = std::integral_constant<int, T::kHalves == 2 ? kHalfPanel : kPanels>;

@@ -1,7 +1,7 @@
 // fp8 latent caches, split-S: the consumers widen each raw tile into the 16-bit stage it landed
 // in themselves. See kernel.cuh's map.
 //
-// Why the consumers: the producer's 4 warps took ~1.3 us per tile for it ([H100] 80 of 247 us
+// Why the consumers: the producer's 4 warps took ~1.3 us per tile for it (80 of 247 us
 // at h16 b64 c8192; the consumers' chain alone, with neither loads nor widening, 166 us); the
 // consumers' 8 warps, each thread with all nine chunks of its row loaded before it converts
 // any, made the fp8 cache 15-17% faster. Loading the next tile's chunks while P V runs was 1-2%
