@@ -160,8 +160,8 @@ constexpr Sm90Layout sm90_fp8_layout(int block_m, int block_n, int stages) {
   return s;
 }
 
-/// The Hopper (sm_90a) prefill kernel: a producer warpgroup gathers K/V rows with cp.async
-/// into a two-stage ring on mbarriers, two consumer warpgroups of 64 query rows run
+/// The Hopper (sm_90a) prefill kernel: a producer warpgroup brings K/V tiles (by TMA where it
+/// can, else cp.async) into rings on mbarriers, two consumer warpgroups of 64 query rows run
 /// S = Q K^T (wgmma, both operands in smem) and O += P V (wgmma, P from registers). fp8 caches
 /// (kFp8) land raw in a staging buffer and the producer widens them exactly to f16 (`mma`,
 /// whatever the activation type: every e4m3 / e5m2 value is exact in f16, and the hardware
@@ -198,8 +198,8 @@ struct Sm90Traits {
   /// Keys per stage: 128 (FA3's causal d128 tile), 64 above d128 where O takes 96-128
   /// registers.
   static constexpr int kBlockN = kHeadSize <= 128 ? 128 : 64;
-  /// Three stages for the 16-bit d64 instances (89 -> 121 KB of shared memory; [H100] causal
-  /// d64 1k-16k +2-3%, ViT d64 within 1%; four were no faster).
+  /// Three stages for the 16-bit d64 instances (89 -> 121 KB of shared memory; causal d64
+  /// 1k-16k +2-3%, ViT d64 within 1%; two were 0.97-0.98x, four no faster).
   static constexpr int kStages = kHeadSize <= 64 && kKV == KVKind::kSame ? 3 : 2;
   static constexpr int kSplitAlign = kBlockN;
   static constexpr int kTableSlots = kStages + 1;  ///< the producer's row tables (sm90/kernel.cuh)
@@ -207,12 +207,10 @@ struct Sm90Traits {
   /// 56 / 224 (128 x 56 + 256 x 224 = 64512) where the consumers can spare the registers: the
   /// fp8 products (P in half the registers; the producer's V transpose spilled 16 bytes in 40)
   /// and head sizes up to 96 (O in 48 or fewer), whose producer then keeps the work-tile
-  /// loop's state without spilling (in 40 it spilled 36-76 bytes; ViT d80, whose cp.async
-  /// producer is the busiest, went from 0.88 / 0.86 to 0.92 / 0.90 of the previous kernel
-  /// without the persistent grid [H200, bench/results/2026-12-04-h200-persistent.txt]), and
-  /// the fp8-widening d128 instances, whose producer widens in registers (in 40 it spilled 20
-  /// bytes; causal e4m3 d128 4k / 8k / 16k +1.3-1.6% [H200,
-  /// bench/results/2026-12-05-h200-fp8-branches-2d89347.txt]).
+  /// loop's state without spilling (in 40 it spilled 36-76 bytes, and ViT d80, whose cp.async
+  /// producer is the busiest, ran 4-5% slower), and the fp8-widening d128 instances, whose
+  /// producer widens in registers (in 40 it spilled 20 bytes; causal e4m3 d128 4k / 8k / 16k
+  /// +1.3-1.6% with 56).
   static constexpr bool kWideProducer =
       kFp8Math || kHeadSize <= 96 || (kKV == KVKind::kFp8 && kHeadSize <= 128);
   static constexpr int kProducerRegs = kWideProducer ? 56 : 40;

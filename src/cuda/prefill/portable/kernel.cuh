@@ -21,8 +21,8 @@
 //             two-stage ring by 16-byte cp.async.cg from the rows the block table names
 //             (zero-filled past the split), one CTA barrier per tile. The rows' byte offsets come
 //             from a smem table that kBlockN threads fill two tiles ahead (one block-table read per
-//             row, not per 16-byte chunk: the per-chunk lookup cost ~115 instructions per
-//             copy pair in the SASS of the first version). fp8 stages are widened exactly to the
+//             row, not per 16-byte chunk: a per-chunk lookup costs ~115 instructions per
+//             copy pair [SASS]). fp8 stages are widened exactly to the
 //             activation type in shared memory (attn::Fp8Widen) before the MMAs read them.
 //   math      S = Q K^T and O += P V by mma.sync m16n8k16 with fp32 accumulation, operands by
 //             ldmatrix from padded rows; online softmax in log2 units with P rounded to the

@@ -47,7 +47,7 @@ __device__ __forceinline__ int tma_tiles(const AttnParams& p, const attn::Work& 
 
 // Instances whose Q may come by TMA (AttnParams::q_tma): those over a 16-bit cache. The fp8
 // widening producer (40 registers, the busiest role there) spilled 56 bytes instead of 12 with
-// the TMA branch compiled in and lost 4% at d128 16k [H200, same call; ptxas -v].
+// the TMA branch compiled in and lost 4% at d128 16k [ptxas -v].
 template <class T>
 inline constexpr bool kQTma = T::kv == KVKind::kSame && !T::kFp8Math;
 
@@ -81,9 +81,9 @@ static_assert(sizeof(attn::Work) <= kWorkSlotBytes, "Sm90Layout's Work slots");
 // A value every lane of the warp holds, through a shuffle from lane 0 (the warp converged), so
 // that ptxas knows it is uniform: with the walk's number and Work read from shared memory under
 // the dynamic walk, they were per-thread values in both walks (one loop), and so were the
-// rings' stages and phases and the wgmma descriptors derived from them ([SASS d64] most of the
-// consumers' uniform-datapath instructions gone; [H200, call 5 of
-// 2026-12-04-h200-dynamic-d908f9c.txt] 16k 2-8% slower than before).
+// rings' stages and phases and the wgmma descriptors derived from them (without the shuffle,
+// [SASS d64] most of the consumers' uniform-datapath instructions were gone and 16k ran 2-8%
+// slower).
 __device__ __forceinline__ int warp_uniform(int v) {
   return __shfl_sync(0xffffffffu, v, 0);
 }
@@ -119,8 +119,7 @@ __device__ __forceinline__ void publish_tile(unsigned char* smem, Barriers<T::kS
 // fewer CTAs than work tiles (with as many, each takes its own), in the instances whose K/V
 // tiles may come by TMA, the only launches the backend gives a counter (CudaImpl::forward). The
 // others compile the walk out: with it, the fp8 products' 56-register producer spilled 16
-// instructions in its K/V loop (none without) and d64 lost 11% [SASS; H200, call 6 of
-// 2026-12-04-h200-dynamic-d908f9c.txt].
+// instructions in its K/V loop (none without) and d64 lost 11% [SASS].
 // The launch's work tiles: (request, KV head) pairs x q tiles x splits.
 __device__ __forceinline__ int work_tiles(const AttnParams& p) {
   return p.num_q_tiles * p.num_seqs * p.num_kv_heads * p.num_splits;

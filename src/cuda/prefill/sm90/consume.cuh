@@ -43,8 +43,7 @@ __device__ __forceinline__ void consume(const AttnParams& p, const attn::Work& w
   // The warpgroup index through a shuffle, as CUTLASS does: ptxas then knows it is uniform and
   // builds the wgmma descriptors (Q's base depends on it) in uniform registers, instead of
   // computing them per thread and moving each into uniform registers (48 R2UR per tile).
-  // Measured [H200]: d128 / d256 +2-6% (2026-12-03-h200-tma-605847d.txt), d64 +0-3%
-  // (2026-12-04-h200-pingpong-cee695b.txt).
+  // d128 / d256 +2-6%, d64 +0-3%.
   const int wg = warp_uniform(int(threadIdx.x) / 128);
   const int ct = int(threadIdx.x) % 128;
   const int cw = wg - 1;  // consumer warpgroup: rows 64 cw .. 64 cw + 63
@@ -70,20 +69,21 @@ __device__ __forceinline__ void consume(const AttnParams& p, const attn::Work& w
   auto parity = [&](int j) { return uint32_t(((it0 + j) / kStages) & 1); };
   auto stage = [&](int j) { return (it0 + j) % kStages; };
   // FA3's pingpong, in every work tile: the consumers take turns to issue their wgmmas, so
-  // one's softmax runs while the other's products occupy the tensor cores (taking turns only in
-  // work tiles of at least 32, 64 or 128 K/V tiles measured within 1% of never; every tile was
-  // best or equal). Named barrier 2 + c is warpgroup c's turn; each takes its turn once per
-  // tile (computed or skipped, so the counts always pair up), issues, and hands the turn on;
-  // warpgroup 0 holds the first. Warpgroup 1's last hand-over of a work tile stays pending on
-  // barrier 2 and opens warpgroup 0's first turn of the CTA's next work tile with K/V tiles;
-  // only the first such tile opens it itself.
+  // one's softmax runs while the other's products occupy the tensor cores (best or equal against
+  // taking turns only in work tiles of at least 32, 64 or 128 K/V tiles, and against never, but
+  // for the fp8-widening instances, 1-2% faster without it: docs/kernels/prefill.md). Named
+  // barrier 2 + c is warpgroup c's turn; each takes its turn once per tile (computed or skipped,
+  // so the counts always pair up), issues, and hands the turn on; warpgroup 0 holds the first.
+  // Warpgroup 1's last hand-over of a work tile stays pending on barrier 2 and opens warpgroup
+  // 0's first turn of the CTA's next work tile with K/V tiles; only the first such tile opens it
+  // itself.
   auto turn_begin = [&] { sm90::named_barrier_sync(2 + cw, 256); };
   auto turn_end = [&] { sm90::named_barrier_arrive(2 + (cw + 1) % T::kConsumers, 256); };
   if (n_tiles > 0 && !seq.turns_open && cw == 0) sm90::named_barrier_arrive(2, 256);
   // The operand descriptors: from head size 128 and for the fp8 products built once per work
   // tile and advanced by constants per k step and by the stage's offset (sm90::desc_advance;
-  // [SASS d128] uniform instructions in the consumer loop 111 -> 91; [H200, same call] d256
-  // +3-5%, d128 +1%), else built per k step (16-bit d64 lost 3-4% to the advanced ones).
+  // [SASS d128] uniform instructions in the consumer loop 111 -> 91; d256 +3-5%, d128 +1%),
+  // else built per k step (16-bit d64 lost 3-4% to the advanced ones).
   constexpr bool kAdvance = D >= 128 || T::kFp8Math;
   const uint32_t v0 = stage0 + T::kPanels * lay.kv_panel;
   const uint64_t q_desc = sm90::sw128_desc(q_base, 16, 1024);
@@ -218,9 +218,8 @@ __device__ __forceinline__ void consume(const AttnParams& p, const attn::Work& w
       // Only when some row of the warp has a new max (corr != 1; exactly 1 otherwise), from
       // head size 128 and for the fp8 products: past the first tiles of a long row the max
       // rarely moves, and O's D / 2 multiplies per thread are worth a vote and a branch.
-      // Measured [H200, same call, bench/results/2026-12-04-h200-persistent.txt]: d256 16k
-      // +11%, d128 16k +2%, fp8 products d64 +2-3%; 16-bit d64 -4-5% (its 32 multiplies cost
-      // less than the vote), d80 equal.
+      // d256 16k +11%, d128 16k +2%, fp8 products d64 +2-3%; 16-bit d64 -4-5% (its 32
+      // multiplies cost less than the vote), d80 equal.
       if ((D < 128 && !T::kFp8Math) ||
           __any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
         rescale_o(o, corr);
@@ -239,8 +238,7 @@ __device__ __forceinline__ void consume(const AttnParams& p, const attn::Work& w
   // Every wgmma reading Q has been waited for: from head size 80, O's rows go through the
   // warpgroup's own Q rows, and the producer may load a later work tile's Q into this buffer
   // once they are read back. e4m3 Q rows are half as wide as O's, and d64 was 1-2% slower
-  // staged (d80 ViT 4% faster, d128 / d256 equal) [H200, same call, 2026-12-04-h200-epilogue]:
-  // those store from the fragments.
+  // staged (d80 ViT 4% faster, d128 / d256 equal): those store from the fragments.
   constexpr bool kStaged = !T::kFp8Math && D >= 80;
   if (kStaged && staged_store(p)) {
     store_rows_staged<T::act>(p, w, o, m, l, wg_row0 + 16 * warp, q_base + 16 * warp * 128,

@@ -2,8 +2,7 @@
 // bf16 / fp16 into its own rows of the work tile's Q buffer (free once the warpgroup's last S
 // has read them) by stmatrix, come back as 16-byte chunks of whole rows, and leave as 16-byte
 // global stores. store_rows (the portable kernel's) stores 4 bytes per instruction from the
-// fragment layout: at d128 1k its stores were 8.7% of the consumers' warp samples [ncu, H200,
-// 2026-12-04-h200-qtma.txt].
+// fragment layout: at d128 1k its stores were 8.7% of the consumers' warp samples [ncu].
 #pragma once
 
 #include <cuda/ptx>

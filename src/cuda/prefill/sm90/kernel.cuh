@@ -160,8 +160,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
               // Thread 0 draws and broadcasts through slot 2 + step % 2 (written again only
               // after the next barrier, which every thread reaches after reading it); a number
               // without rows is dropped by all and the next drawn. (Drawing one ahead, by a
-              // thread of warp 3 while the rest went on, measured no better [H200, call 2 of
-              // bench/results/2026-12-04-h200-dynamic-d908f9c.txt].)
+              // thread of warp 3 while the rest went on, measured no better.)
               volatile int* const slot = slots() + 2 + (step & 1);
               if (threadIdx.x == 0) {
                 int first = step == 0 ? int(blockIdx.x) : -1;

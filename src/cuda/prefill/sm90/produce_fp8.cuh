@@ -171,7 +171,7 @@ __device__ __forceinline__ void widen_chunk_f16(const uint4& codes, uint32_t (&o
 // V is widened, and its V while the next K is, so a copy's latency is hidden behind one
 // widening. e4m3: cvt.rn.f16x2.e4m3x2, two codes per instruction (the bit trick to bf16,
 // attn::Fp8Widen, took ~11 instructions per four codes and set this kernel's pace: fp8 KV at
-// 0.57 of the bf16 rate [H200, d908f9c]); e5m2: the code is the f16's top byte.
+// 0.57 of the bf16 rate); e5m2: the code is the f16's top byte.
 template <class T, class FillTable>
 __device__ __forceinline__ void produce_fp8(const AttnParams& p, unsigned char* smem,
                                             Barriers<T::kStages> bars, int n_tiles, int it0,
@@ -215,8 +215,8 @@ __device__ __forceinline__ void produce_fp8(const AttnParams& p, unsigned char* 
   // Chunks i + 1 .. i + kAhead are loaded before chunk i is widened and stored: ptxas keeps
   // shared loads and stores it cannot tell apart in order, and one chunk at a time left every
   // widening waiting for its load ([ncu, d128 16k] 41% of the producer's samples on the F2FP,
-  // short scoreboard). Two ahead since the producer has 56 registers ([H100, 2026-12-05] fp8
-  // e4m3 d128 causal 4k-16k +0.5-1.5% over one).
+  // short scoreboard). Two ahead since the producer has 56 registers (fp8 e4m3 d128 causal
+  // 4k-16k +0.5-1.5% over one).
   constexpr int kAhead = 2;
   auto widen_rows = [&](uint32_t raw, uint32_t panels, auto kE5m2) {
     constexpr int kPasses = kBlockN / kRowsPerPass;
