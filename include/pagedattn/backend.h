@@ -13,6 +13,8 @@
 
 namespace pagedattn {
 
+class MLADeviceOps;  // pagedattn/mla_device_ops.h
+
 /// What a backend is asked to support: the layer's configuration on a device.
 struct BackendQuery {
   AttentionConfig config;
@@ -125,6 +127,10 @@ class Backend {
   /// Optional: max |x| over a floating tensor on `device` (for scale calibration).
   /// Default: host tensors only.
   virtual float amax(const TensorView& x) const;
+  /// Optional: the kernels MLAAttention runs around this backend's attention on its devices
+  /// (pagedattn/mla_device_ops.h), owned by the backend. Default: none (nullptr), and an
+  /// MLAAttention layer on this backend then takes host tensors only.
+  virtual const MLADeviceOps* mla_device_ops() const { return nullptr; }
 };
 
 }  // namespace pagedattn

@@ -70,8 +70,10 @@ struct MLAOptions {
 /// DeepSeek's sizes. Requests are classified one by one, so the batch need not be ordered
 /// decodes first. Host tensors: the projections on the host, the attention on the selected
 /// backend (cpu or ref), every fp8 latent cache included; the prefill formulation needs the
-/// backend to take N heads of P + R with a block size of 1, and its merge_states. CUDA tensors
-/// (layer and cache on that device): every step on the device, absorbed formulation only.
+/// backend to take N heads of P + R with a block size of 1, and its merge_states. Device tensors
+/// (layer and cache on that device): every step on the device, the kernels around the attention
+/// being the backend's MLADeviceOps (Backend::mla_device_ops(); a backend without them refuses
+/// device tensors with NotSupported).
 class MLAAttention {
  public:
   MLAAttention(ForwardContext& context, const MLAOptions& options,
