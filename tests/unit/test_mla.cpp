@@ -19,6 +19,7 @@
 #include "pagedattn/accuracy.h"
 #include "pagedattn/error.h"
 #include "pagedattn/mla.h"
+#include "pagedattn/mla_check.h"
 #include "pagedattn/mla_device_ops.h"
 #include "ref/ref_backend.h"
 
