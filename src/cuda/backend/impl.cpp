@@ -342,8 +342,8 @@ void CudaImpl::forward(const ForwardArgs& a) {
   p.sinks = sinks_.defined() ? sinks_.data_as<const float>() : nullptr;
   p.v_scale = fp8 ? a.scales.v_scale : 1.0f;
   p.causal = cfg.causal();
-  p.window = cfg.sliding_window.value_or(0);
-  p.window_right = cfg.attn_type == AttentionType::kEncoderOnly && p.window > 0;
+  p.window_left = cfg.window_left();
+  p.window_right = cfg.window_right();
 
   // Splits come from the plan; without one (or without a workspace) the launch is unsplit.
   p.num_splits = 1;
