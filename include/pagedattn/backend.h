@@ -13,6 +13,8 @@
 
 namespace pagedattn {
 
+class MLADeviceOps;  // pagedattn/mla_device_ops.h
+
 /// What a backend is asked to support: the layer's configuration on a device.
 struct BackendQuery {
   AttentionConfig config;
@@ -141,6 +143,10 @@ class Backend {
   /// option allows throws InvalidArgument naming the option, the value and what is allowed.
   /// Default: throws InvalidArgument (no options).
   virtual std::unique_ptr<Backend> configured(const std::vector<std::string>& settings) const;
+  /// Optional: the kernels MLAAttention runs around this backend's attention on its devices
+  /// (pagedattn/mla_device_ops.h), owned by the backend. Default: none (nullptr), and an
+  /// MLAAttention layer on this backend then takes host tensors only.
+  virtual const MLADeviceOps* mla_device_ops() const { return nullptr; }
 };
 
 }  // namespace pagedattn

@@ -71,6 +71,16 @@ struct AttentionConfig {
   bool has_sinks() const { return !sinks.empty(); }
   /// Decoders mask keys after the query position (bottom-right aligned); docs/semantics.md.
   bool causal() const { return attn_type == AttentionType::kDecoder; }
+  /// The sliding window as FlashAttention's offsets, the one form every backend reads: key j is
+  /// visible from query position pos only if pos - window_left() <= j <= pos + window_right(),
+  /// -1 meaning unbounded on that side. sliding_window W gives W - 1 on the left; on the right
+  /// W - 1 for encoder_only (symmetric) and -1 for the other types (decoders are bounded there
+  /// by the causal mask, causal(), which stays separate); no window gives -1 on both sides
+  /// (docs/semantics.md, "Masks").
+  int window_left() const { return sliding_window ? *sliding_window - 1 : -1; }
+  int window_right() const {
+    return sliding_window && attn_type == AttentionType::kEncoderOnly ? *sliding_window - 1 : -1;
+  }
 
   /// Throws InvalidArgument naming the first field out of range, its value and the bound.
   void validate() const;

@@ -50,7 +50,10 @@ class DeviceRuntime {
   /// runtime copies at once. The rows must not overlap.
   virtual void copy_2d_async(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                              size_t row_bytes, size_t rows, int index, Stream stream) = 0;
+  /// Waits for everything on device `index`.
   virtual void synchronize(int index) = 0;
+  /// Waits for the work enqueued on `stream` of device `index` (the CPU runtime has none).
+  virtual void synchronize_stream(int index, Stream stream) = 0;
 };
 
 /// The runtime for a device type, or nullptr when this build has none.

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "pagedattn/backend.h"
-#include "pagedattn/case_file.h"
 #include "pagedattn/forward_context.h"
 #include "pagedattn/kv_cache.h"
 #include "pagedattn/kv_cache_spec.h"
@@ -70,8 +69,10 @@ struct MLAOptions {
 /// DeepSeek's sizes. Requests are classified one by one, so the batch need not be ordered
 /// decodes first. Host tensors: the projections on the host, the attention on the selected
 /// backend (cpu or ref), every fp8 latent cache included; the prefill formulation needs the
-/// backend to take N heads of P + R with a block size of 1, and its merge_states. CUDA tensors
-/// (layer and cache on that device): every step on the device, absorbed formulation only.
+/// backend to take N heads of P + R with a block size of 1, and its merge_states. Device tensors
+/// (layer and cache on that device): every step on the device, the kernels around the attention
+/// being the backend's MLADeviceOps (Backend::mla_device_ops(); a backend without them refuses
+/// device tensors with NotSupported).
 class MLAAttention {
  public:
   MLAAttention(ForwardContext& context, const MLAOptions& options,
@@ -144,27 +145,5 @@ class MLAAttention {
   std::unique_ptr<detail::MLAPrefill> prefill_;               // built on the first prefill
   std::unique_ptr<detail::MLADeviceWeights> device_weights_;  // on the first device forward
 };
-
-/// One step of an MLAAttention layer as it ran, for check_mla_step. Host tensors and views.
-struct MLAStepCase {
-  MLAOptions options;          ///< the layer's (attn_backend, device and calibration are ignored)
-  TensorView kv_b_proj;        ///< [L, N * (P + V)], as given to load_kv_b_proj
-  float k_scale = 1.0f;        ///< the latent scale the step ran with (fp8 caches)
-  TensorView latent_cache;     ///< before the step: [num_blocks, block_size, L + R], cache dtype
-  AttentionMetadata metadata;  ///< the step (KV-cache group 0), host views
-  TensorView q;                ///< [T, N, P + R]
-  TensorView kv_c_normed;      ///< [T, L]
-  TensorView k_pe;             ///< [T, R]
-};
-
-/// Checks an MLA step's `output` [T, N * V] and `latent_cache_after` (host) against the same
-/// layer with its attention on the float64 reference backend, output in float64 (the oracle),
-/// within the budget of the low-precision reference (accuracy.h, default_tolerance(dtype)); the
-/// latent cache must be bit-identical to the reference's write. All three run the step's
-/// formulation (step.options.formulation) and the layer's own arithmetic (absorption,
-/// expansion, up-projection), so this checks what the backend computes, its merge_states
-/// included; tests/unit/test_mla.cpp checks the layer against the non-absorbed formulation.
-CaseCheck check_mla_step(const MLAStepCase& step, const TensorView& output,
-                         const TensorView& latent_cache_after);
 
 }  // namespace pagedattn

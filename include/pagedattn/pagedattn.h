@@ -17,6 +17,8 @@
 #include "pagedattn/metadata.h"
 #include "pagedattn/mha.h"
 #include "pagedattn/mla.h"
+#include "pagedattn/mla_check.h"
+#include "pagedattn/mla_device_ops.h"
 #include "pagedattn/parallel.h"
 #include "pagedattn/registry.h"
 #include "pagedattn/safetensors.h"

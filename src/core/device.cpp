@@ -66,6 +66,7 @@ class CpuRuntime final : public DeviceRuntime {
     }
   }
   void synchronize(int) override {}
+  void synchronize_stream(int, Stream) override {}
 };
 
 CpuRuntime g_cpu_runtime;

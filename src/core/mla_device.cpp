@@ -1,7 +1,8 @@
-// MLAAttention::forward on CUDA tensors: the latent write, the absorbed query, the attention and
-// the up-projection all enqueued on the device, with no host synchronisation (graph-capturable
-// once the weights are uploaded and the context's workspace has grown: the first forward does
-// both). Without CUDA in the build, device tensors are refused.
+// MLAAttention::forward on device tensors: the latent write, the absorbed query, the attention
+// and the up-projection all enqueued on the device, with no host synchronisation
+// (graph-capturable once the weights are uploaded and the context's workspace has grown: the
+// first forward does both). The kernels around the attention are the selected backend's
+// MLADeviceOps; a backend without them refuses device tensors.
 #include "core/mla_device.h"
 
 #include <memory>
@@ -9,17 +10,27 @@
 #include "core/mla_prefill.h"
 #include "pagedattn/error.h"
 #include "pagedattn/mla.h"
-
-#ifdef PAGEDATTN_WITH_CUDA
-#include "cuda/common/check.h"
-#include "cuda/mla/proj.h"
-#endif
+#include "pagedattn/mla_device_ops.h"
 
 namespace pagedattn {
 
 using detail::require;
 
-#ifdef PAGEDATTN_WITH_CUDA
+namespace detail {
+
+const MLADeviceOps& mla_device_ops_for(const Backend& backend, const TensorView& q) {
+  const MLADeviceOps* ops = backend.mla_device_ops();
+  if (ops == nullptr) {
+    fail<NotSupported>("MLAAttention: q (", describe(q), ") is on a device, and backend '",
+                       backend.name(), "' has no MLA device operations (mla_device_ops() is ",
+                       "null); select a backend that runs MLA on ", to_string(q.device),
+                       " or pass host tensors");
+  }
+  return *ops;
+}
+
+}  // namespace detail
+
 namespace {
 
 // Offsets of the workspace's parts: the attention kernels' scratch wants 256-byte alignment.
@@ -29,7 +40,6 @@ size_t aligned_up(size_t bytes) {
 }
 
 }  // namespace
-#endif
 
 void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c,
                                      const TensorView& k_pe, const AttentionMetadata* md,
@@ -38,17 +48,12 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
     require(t->device == q.device, "MLAAttention: q, kv_c_normed, k_pe and output must be on one ",
             "device; q is on ", to_string(q.device), ", got ", describe(*t));
   }
-#ifndef PAGEDATTN_WITH_CUDA
-  (void)md;
-  detail::fail<NotSupported>("MLAAttention: ", describe(q),
-                             " is on a device, and this build of pagedattn has no CUDA");
-#else
-  require<NotSupported>(q.device.is_cuda() && q.device == options_.device,
-                        "MLAAttention: tensors on ", to_string(q.device),
-                        " need a layer built for that device (MLAOptions::device is ",
-                        to_string(options_.device), ")");
+  require<NotSupported>(q.device == options_.device, "MLAAttention: tensors on ",
+                        to_string(q.device), " need a layer built for that device ",
+                        "(MLAOptions::device is ", to_string(options_.device), ")");
+  const MLADeviceOps& ops = detail::mla_device_ops_for(*backend_, q);
   if (md == nullptr) {  // profiling run
-    cuda::mla::zero_rows(output, stream_.handle);
+    ops.zero_rows(output, stream_);
     return;
   }
   require(!w_uk_t_.empty(), "load_kv_b_proj() must be called before forward()");
@@ -71,7 +76,7 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
     device_weights_ = std::move(w);
     // A pageable upload may still be in flight when copy_of returns, and a non-blocking stream
     // does not wait for the legacy one.
-    PAGEDATTN_CUDA_CHECK(cudaDeviceSynchronize());
+    require_device(q.device).synchronize(q.device.index);
   }
   const DType act = config_.dtype;
   const int64_t ta = md->num_actual_tokens;
@@ -95,12 +100,12 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
   const TensorView o_lat = carve(plan_bytes + latent_bytes + heads_bytes, {ta, n, l});
   // 1. The step's latent entries [kv_c | k_pe] (rounded to the activation dtype, as the host
   // path does) into the cache, one entry as K and V.
-  cuda::mla::build_latent(kv_c, k_pe, latent, stream_.handle);
+  ops.build_latent(kv_c, k_pe, latent, stream_);
   const KVScales scales{k_scale_, k_scale_};
   impl_->write_kv({latent, latent, md->slot_mapping, cache_, scales, stream_});
   // 2. The absorbed query [q_nope W_UK^T | q_pe].
-  cuda::mla::absorb_query(q, static_cast<const float*>(device_weights_->w_uk_t.data()), p, q_lat,
-                          stream_.handle);
+  ops.absorb_query(q, static_cast<const float*>(device_weights_->w_uk_t.data()), p, q_lat, nullptr,
+                   stream_);
   // 3. MQA over the latent cache.
   ForwardArgs f;
   f.query = q_lat;
@@ -114,9 +119,8 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
   check_forward_args(config_, f, /*check_metadata=*/false);
   impl_->forward(f);
   // 4. The up-projection of o_lat by W_UV.
-  cuda::mla::up_project(o_lat, static_cast<const float*>(device_weights_->w_uv.data()), l, v, ta,
-                        output, stream_.handle);
-#endif
+  ops.up_project(o_lat, static_cast<const float*>(device_weights_->w_uv.data()), l, v, ta, output,
+                 nullptr, stream_);
 }
 
 void MLAAttention::forward_split_on_device(const TensorView& q, const TensorView& kv_c,
@@ -124,24 +128,20 @@ void MLAAttention::forward_split_on_device(const TensorView& q, const TensorView
                                            const std::vector<int>& decodes,
                                            const std::vector<int>& prefills,
                                            const TensorView& output) {
-#ifndef PAGEDATTN_WITH_CUDA
-  (void)kv_c, (void)k_pe, (void)md, (void)decodes, (void)prefills, (void)output;
-  detail::fail<NotSupported>("MLAAttention: ", describe(q), " is on a device, and this build ",
-                             "has no CUDA");
-#else
+  const MLADeviceOps& ops = detail::mla_device_ops_for(*backend_, q);
   const int n = options_.num_heads, p = options_.qk_nope_head_dim;
   const int v = options_.v_head_dim, l = options_.kv_lora_rank, e = config_.head_size;
   const DType act = config_.dtype;
   const Device dev = q.device;
-  auto* const st = static_cast<cudaStream_t>(stream_.handle);
+  DeviceRuntime& runtime = require_device(dev);
   // 1. The step's latent entries into the cache, as the absorbed-only path does.
   const int64_t ta = md.num_actual_tokens;
   {
     Tensor latent = Tensor::empty({ta, 1, e}, act, dev);  // [Ta, 1, E]
-    cuda::mla::build_latent(kv_c, k_pe, latent.view(), st);
+    ops.build_latent(kv_c, k_pe, latent.view(), stream_);
     const KVScales scales{k_scale_, k_scale_};
     impl_->write_kv({latent.view(), latent.view(), md.slot_mapping, cache_, scales, stream_});
-    PAGEDATTN_CUDA_CHECK(cudaStreamSynchronize(st));  // before `latent` is freed
+    runtime.synchronize_stream(dev.index, stream_);  // before `latent` is freed
   }
   // 2. The decode requests absorbed, over metadata of their own: the host mirrors give the
   // rows and lengths, the block-table rows are copied on the device.
@@ -171,11 +171,12 @@ void MLAAttention::forward_split_on_device(const TensorView& q, const TensorView
     sub.block_table.assign(decodes.size() * size_t(m), 0);
     sub.slot_mapping.assign(rows.size(), -1);  // written in step 1
     const AttentionMetadata dsub = sub.to_device(dev);
+    const size_t row_bytes = size_t(m) * sizeof(int32_t);
     for (size_t i = 0; i < decodes.size(); ++i) {
-      PAGEDATTN_CUDA_CHECK(
-          cudaMemcpyAsync(static_cast<int32_t*>(dsub.block_table.data) + i * size_t(m),
-                          static_cast<const int32_t*>(bt.data) + int64_t(decodes[i]) * bt.stride(0),
-                          size_t(m) * sizeof(int32_t), cudaMemcpyDeviceToDevice, st));
+      runtime.copy_2d_async(
+          static_cast<int32_t*>(dsub.block_table.data) + i * size_t(m), row_bytes,
+          static_cast<const int32_t*>(bt.data) + int64_t(decodes[i]) * bt.stride(0), row_bytes,
+          row_bytes, 1, dev.index, stream_);
     }
     const int64_t nr = int64_t(rows.size());
     const Tensor rows_dev =
@@ -183,8 +184,8 @@ void MLAAttention::forward_split_on_device(const TensorView& q, const TensorView
     const auto* row_ids = static_cast<const int64_t*>(rows_dev.data());
     Tensor q_lat = Tensor::empty({nr, n, e}, act, dev);  // [nr, N, E]
     Tensor o_lat = Tensor::empty({nr, n, l}, act, dev);  // [nr, N, L]: the latent columns
-    cuda::mla::absorb_query(q, static_cast<const float*>(device_weights_->w_uk_t.data()), p,
-                            q_lat.view(), st, row_ids);
+    ops.absorb_query(q, static_cast<const float*>(device_weights_->w_uk_t.data()), p, q_lat.view(),
+                     row_ids, stream_);
     const auto plan = backend_->plan(dsub, config_);
     const Workspace ws = context_.workspace(dev, plan->workspace_bytes());
     ForwardArgs f;
@@ -198,9 +199,9 @@ void MLAAttention::forward_split_on_device(const TensorView& q, const TensorView
     f.stream = stream_;
     check_forward_args(config_, f, /*check_metadata=*/false);
     impl_->forward(f);
-    cuda::mla::up_project(o_lat.view(), static_cast<const float*>(device_weights_->w_uv.data()), l,
-                          v, nr, output, st, row_ids);
-    PAGEDATTN_CUDA_CHECK(cudaStreamSynchronize(st));  // before the buffers above are freed
+    ops.up_project(o_lat.view(), static_cast<const float*>(device_weights_->w_uv.data()), l, v, nr,
+                   output, row_ids, stream_);
+    runtime.synchronize_stream(dev.index, stream_);  // before the buffers above are freed
   }
   // 3. The prefill requests expanded (spec 5.4).
   if (!prefill_) prefill_ = std::make_unique<detail::MLAPrefill>(options_, *backend_);
@@ -209,8 +210,7 @@ void MLAAttention::forward_split_on_device(const TensorView& q, const TensorView
       detail::MLADeviceWeightsView{static_cast<const float*>(device_weights_->w_uk.data()),
                                    static_cast<const float*>(device_weights_->w_uv.data())},
       context_, output, stream_);
-  PAGEDATTN_CUDA_CHECK(cudaStreamSynchronize(st));  // the prefill's buffers are freed on return
-#endif
+  runtime.synchronize_stream(dev.index, stream_);  // the prefill's buffers are freed on return
 }
 
 }  // namespace pagedattn

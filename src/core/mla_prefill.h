@@ -92,8 +92,8 @@ class MLAPrefill {
                const KVCacheView& cache, float k_scale, const MLAWeights& weights,
                ForwardContext& context, const TensorView& output);
 
-  /// The same on CUDA tensors (mla_prefill_device.cpp), every step enqueued on `stream`: the
-  /// gathers, expansions and output rows by the kernels of cuda/mla/proj.h, the attention and
+  /// The same on device tensors (mla_prefill_device.cpp), every step enqueued on `stream`: the
+  /// gathers, expansions and output rows by the backend's MLADeviceOps, the attention and
   /// merges by the backend. Eager only: it allocates its buffers and uploads the passes'
   /// metadata and key lists, so a step with prefill requests cannot be graph-captured (vLLM
   /// captures decode-only steps in full graphs for the same reason). `md` is the step's device

@@ -1,23 +1,13 @@
-// MLAPrefill::forward_device: the prefill formulation (mla_prefill.cpp's forward) on CUDA tensors.
-// The same passes and merges in the same order; the host loops become the kernels of
-// cuda/mla/proj.h and the backend's attention and merge_states, all on the layer's stream.
+// MLAPrefill::forward_device: the prefill formulation (mla_prefill.cpp's forward) on device
+// tensors. The same passes and merges in the same order; the host loops become the backend's
+// MLADeviceOps and its attention and merge_states, all on the layer's stream.
+#include "core/mla_device.h"
 #include "core/mla_prefill.h"
 #include "pagedattn/error.h"
-
-#ifdef PAGEDATTN_WITH_CUDA
-#include "cuda/mla/proj.h"
-#endif
+#include "pagedattn/mla_device_ops.h"
 
 namespace pagedattn::detail {
 
-#ifndef PAGEDATTN_WITH_CUDA
-void MLAPrefill::forward_device(const TensorView& q, const TensorView&, const TensorView&,
-                                const AttentionMetadata&, const std::vector<int>&,
-                                const KVCacheView&, float, const MLADeviceWeightsView&,
-                                ForwardContext&, const TensorView&, Stream) {
-  fail<NotSupported>("MLAAttention: ", describe(q), " is on a device, and this build has no CUDA");
-}
-#else
 namespace {
 
 // Rows [begin, begin + len) of a [T, N, C] or [T, C] view.
@@ -46,7 +36,7 @@ void MLAPrefill::forward_device(const TensorView& q, const TensorView& kv_c, con
   const int vd = o.v_head_dim, l = o.kv_lora_rank, e = l + r, d = p + r;
   const DType act = o.dtype;
   const Device dev = q.device;
-  void* const st = stream.handle;
+  const MLADeviceOps& ops = mla_device_ops_for(*backend_, q);
   const PrefillPlan plan = plan_prefill(md, requests);
   const std::vector<PrefillRequest>& reqs = plan.reqs;
   const int64_t tp = plan.num_rows;
@@ -57,14 +47,13 @@ void MLAPrefill::forward_device(const TensorView& q, const TensorView& kv_c, con
   Tensor query = Tensor::empty({tp, n, d}, act, dev);
   Tensor latent = Tensor::empty({tp, e}, act, dev);
   for (const PrefillRequest& pr : reqs) {
-    cuda::mla::copy_heads(rows_of(q, pr.q_begin, pr.q_len),
-                          rows_of(query.view(), pr.row_begin, pr.q_len), st);
-    cuda::mla::build_latent(rows_of(kv_c, pr.q_begin, pr.q_len),
-                            rows_of(k_pe, pr.q_begin, pr.q_len),
-                            rows_of(latent.view(), pr.row_begin, pr.q_len), st);
+    ops.copy_heads(rows_of(q, pr.q_begin, pr.q_len), rows_of(query.view(), pr.row_begin, pr.q_len),
+                   stream);
+    ops.build_latent(rows_of(kv_c, pr.q_begin, pr.q_len), rows_of(k_pe, pr.q_begin, pr.q_len),
+                     rows_of(latent.view(), pr.row_begin, pr.q_len), stream);
   }
   Tensor k_new = Tensor::empty({tp, n, d}, act, dev), v_new = Tensor::empty({tp, n, d}, act, dev);
-  cuda::mla::expand_kv(latent.view(), w.w_uk, w.w_uv, p, vd, k_new.view(), v_new.view(), st);
+  ops.expand_kv(latent.view(), w.w_uk, w.w_uv, p, vd, k_new.view(), v_new.view(), stream);
 
   // Causal attention among each request's new tokens.
   std::vector<int64_t> key_begin, key_len;
@@ -102,12 +91,11 @@ void MLAPrefill::forward_device(const TensorView& q, const TensorView& kv_c, con
       }
       const Tensor keys = Tensor::copy_of(keys_host.view(), dev);
       Tensor ctx_latent = Tensor::empty({num_keys, e}, act, dev);
-      cuda::mla::gather_latent(cache.key, md.block_table, static_cast<const int32_t*>(keys.data()),
-                               scale, ctx_latent.view(), st);
+      ops.gather_latent(cache.key, md.block_table, static_cast<const int32_t*>(keys.data()), scale,
+                        ctx_latent.view(), stream);
       Tensor k_ctx = Tensor::empty({num_keys, n, d}, act, dev);
       Tensor v_ctx = Tensor::empty({num_keys, n, d}, act, dev);
-      cuda::mla::expand_kv(ctx_latent.view(), w.w_uk, w.w_uv, p, vd, k_ctx.view(), v_ctx.view(),
-                           st);
+      ops.expand_kv(ctx_latent.view(), w.w_uk, w.w_uv, p, vd, k_ctx.view(), v_ctx.view(), stream);
       const bool first = chunk == 0;
       StepMetadata chunk_md = one_token_block_step(reqs, key_begin, key_len, false);
       attend(context_config_, *context_impl_, chunk_md, query.view(), k_ctx.view(), v_ctx.view(),
@@ -129,11 +117,11 @@ void MLAPrefill::forward_device(const TensorView& q, const TensorView& kv_c, con
   const TensorView heads = result.view().slice(2, 0, vd);  // [Tp, N, V]
   const TensorView out = as_heads(output, n, vd);          // [T, N, V]
   for (const PrefillRequest& pr : reqs) {
-    cuda::mla::copy_heads(rows_of(heads, pr.row_begin, pr.q_len),
-                          rows_of(out, pr.q_begin, pr.q_len), st);
+    ops.copy_heads(rows_of(heads, pr.row_begin, pr.q_len), rows_of(out, pr.q_begin, pr.q_len),
+                   stream);
   }
-  // The buffers above are freed on return (cudaFree waits for the device), after their last use.
+  // The buffers above are freed on return (the CUDA runtime's deallocate, cudaFree, waits for
+  // the device), after their last use.
 }
-#endif
 
 }  // namespace pagedattn::detail

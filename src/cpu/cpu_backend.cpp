@@ -98,10 +98,8 @@ AttentionParams make_params(const AttentionConfig& c, const ForwardArgs& a) {
   p.alibi = c.has_alibi() ? c.alibi_slopes.data() : nullptr;
   p.sinks = c.has_sinks() ? c.sinks.data() : nullptr;
   p.causal = c.causal();
-  if (c.sliding_window) {
-    p.window_left = *c.sliding_window - 1;
-    if (c.attn_type == AttentionType::kEncoderOnly) p.window_right = *c.sliding_window - 1;
-  }
+  p.window_left = c.window_left();
+  p.window_right = c.window_right();
   return p;
 }
 

@@ -46,6 +46,7 @@ struct AttentionParams {
   const float* alibi = nullptr;  // [num_heads] or null
   const float* sinks = nullptr;  // [num_heads] or null
   bool causal = true;
+  // The window as AttentionConfig::window_left() / window_right() give it:
   int window_left = -1;                  // keys j < pos - window_left are masked; -1 = unbounded
   int window_right = -1;                 // keys j > pos + window_right are masked; -1 = unbounded
   float k_scale = 1.0f, v_scale = 1.0f;  // fp8 caches; 1 otherwise

@@ -27,11 +27,8 @@ void visible_key_range(const AttentionConfig& c, int64_t context, int64_t seq_le
   int64_t lo = 0, hi = seq_len;
   const int64_t first_pos = context + q_begin, last_pos = context + q_end - 1;
   if (c.causal()) hi = std::min(hi, last_pos + 1);
-  if (c.sliding_window) {
-    const int64_t w = *c.sliding_window;
-    lo = std::max<int64_t>(0, first_pos - (w - 1));
-    if (c.attn_type == AttentionType::kEncoderOnly) hi = std::min(hi, last_pos + w);
-  }
+  if (const int left = c.window_left(); left >= 0) lo = std::max<int64_t>(0, first_pos - left);
+  if (const int right = c.window_right(); right >= 0) hi = std::min(hi, last_pos + right + 1);
   *first = std::min(lo, hi);
   *end = hi;
 }

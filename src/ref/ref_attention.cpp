@@ -123,11 +123,9 @@ HeadKV gather_from_inputs(const ForwardArgs& a, const AttentionConfig& cfg, int6
 // Whether key position j is visible to a query at absolute position pos (spec 4.2, 4.3).
 bool visible(const AttentionConfig& cfg, int64_t j, int64_t pos) {
   if (cfg.causal() && j > pos) return false;
-  if (cfg.sliding_window) {
-    const int64_t w = *cfg.sliding_window;
-    if (j < pos - (w - 1)) return false;
-    if (cfg.attn_type == AttentionType::kEncoderOnly && j > pos + (w - 1)) return false;
-  }
+  const int left = cfg.window_left(), right = cfg.window_right();
+  if (left >= 0 && j < pos - left) return false;
+  if (right >= 0 && j > pos + right) return false;
   return true;
 }
 

@@ -5,6 +5,7 @@
 
 #include "pagedattn/error.h"
 #include "pagedattn/mla.h"
+#include "pagedattn/mla_check.h"
 #include "ref/ref_backend.h"
 
 namespace pagedattn {

@@ -22,6 +22,7 @@
 #include "pagedattn/error.h"
 #include "pagedattn/metadata.h"
 #include "pagedattn/mla.h"
+#include "pagedattn/mla_check.h"
 
 namespace pagedattn {
 namespace {

@@ -55,6 +55,30 @@ TEST(ConfigValidation, WindowAtLeastOne) {
   ok.sliding_window = 1;
   EXPECT_NO_THROW(ok.validate());
 }
+// The window's one form (FlashAttention's offsets): W - 1 on the left for every type, on the
+// right only for encoder_only (symmetric); -1 = unbounded (docs/semantics.md, "Masks").
+TEST(ConfigWindow, OffsetsPerAttentionType) {
+  AttentionConfig c = valid_config();
+  EXPECT_EQ(c.window_left(), -1);
+  EXPECT_EQ(c.window_right(), -1);
+  c.sliding_window = 4;
+  for (AttentionType t :
+       {AttentionType::kDecoder, AttentionType::kEncoder, AttentionType::kEncoderDecoder}) {
+    c.attn_type = t;
+    EXPECT_EQ(c.window_left(), 3) << to_string(t);
+    EXPECT_EQ(c.window_right(), -1) << to_string(t);
+  }
+  c.attn_type = AttentionType::kEncoderOnly;
+  EXPECT_EQ(c.window_left(), 3);
+  EXPECT_EQ(c.window_right(), 3);
+  c.sliding_window = 1;  // the current token alone
+  EXPECT_EQ(c.window_left(), 0);
+  EXPECT_EQ(c.window_right(), 0);
+  c.sliding_window.reset();
+  EXPECT_EQ(c.window_left(), -1);
+  EXPECT_EQ(c.window_right(), -1);
+}
+
 TEST(ConfigValidation, SoftCapPositive) {
   EXPECT_FIELD_ERROR(c.logits_soft_cap = 0.0f, "logits_soft_cap (0) must be finite and > 0");
   EXPECT_FIELD_ERROR(c.logits_soft_cap = -30.0f, "logits_soft_cap (-30)");

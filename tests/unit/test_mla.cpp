@@ -9,14 +9,18 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/expect_error.h"
 #include "pagedattn/accuracy.h"
 #include "pagedattn/error.h"
 #include "pagedattn/mla.h"
+#include "pagedattn/mla_check.h"
+#include "pagedattn/mla_device_ops.h"
 #include "ref/ref_backend.h"
 
 namespace pagedattn {
@@ -749,6 +753,96 @@ TEST(MLAAttention, ThePrefillFormulationMergesThroughTheBackend) {
   // The absorbed formulation merges nothing: there the same backend is right.
   const Tensor fresh = run_step(s, MLAFormulation::kAbsorbed, "prefix_only_merge", registry);
   EXPECT_LT(compare(fresh.view().slice(0, 0, t_a), want.view()).max_abs, 1e-4);
+}
+
+// A backend that takes any device (its attention is the reference's, never run here), with or
+// without MLA device operations that record what the layer asks of them.
+class RecordingOps final : public MLADeviceOps {
+ public:
+  void build_latent(const TensorView&, const TensorView&, const TensorView&,
+                    Stream) const override {
+    calls.push_back("build_latent");
+  }
+  void absorb_query(const TensorView&, const float*, int, const TensorView&, const int64_t*,
+                    Stream) const override {
+    calls.push_back("absorb_query");
+  }
+  void up_project(const TensorView&, const float*, int, int, int64_t, const TensorView&,
+                  const int64_t*, Stream) const override {
+    calls.push_back("up_project");
+  }
+  void gather_latent(const TensorView&, const TensorView&, const int32_t*, float, const TensorView&,
+                     Stream) const override {
+    calls.push_back("gather_latent");
+  }
+  void expand_kv(const TensorView&, const float*, const float*, int, int, const TensorView&,
+                 const TensorView&, Stream) const override {
+    calls.push_back("expand_kv");
+  }
+  void copy_heads(const TensorView&, const TensorView&, Stream) const override {
+    calls.push_back("copy_heads");
+  }
+  void zero_rows(const TensorView& out, Stream stream) const override {
+    calls.push_back("zero_rows");
+    zeroed = out;
+    zero_stream = stream;
+  }
+  mutable std::vector<std::string> calls;
+  mutable TensorView zeroed;
+  mutable Stream zero_stream;
+};
+
+class AnyDeviceBackend final : public Backend {
+ public:
+  AnyDeviceBackend(std::string name, const MLADeviceOps* ops) : name_(std::move(name)), ops_(ops) {}
+  std::string_view name() const override { return name_; }
+  std::string_view description() const override { return "ref on any device (tests)"; }
+  std::vector<std::string> check(const BackendQuery&) const override { return {}; }
+  std::unique_ptr<AttentionImpl> make_impl(const AttentionConfig& c, Device) const override {
+    return ref_->make_impl(c, Device::cpu());
+  }
+  const MLADeviceOps* mla_device_ops() const override { return ops_; }
+
+ private:
+  std::string name_;
+  const MLADeviceOps* ops_;
+  std::unique_ptr<Backend> ref_ = ref::make_backend(ref::Precision::kFloat64);
+};
+
+// Device tensors reach the kernels around the attention only through the selected backend's
+// MLADeviceOps: a profiling step (no metadata) is the ops' zero_rows on the layer's stream, and
+// a backend without ops refuses the step naming itself. The views claim cuda:0 over host memory
+// that nothing reads.
+TEST(MLAAttention, DeviceTensorsGoThroughTheBackendsDeviceOps) {
+  RecordingOps ops;
+  Registry registry;
+  registry.add(std::make_unique<AnyDeviceBackend>("with_ops", &ops));
+  registry.add(std::make_unique<AnyDeviceBackend>("without_ops", nullptr));
+  const Device dev = Device::cuda(0);
+  std::vector<float> q(size_t(2) * kN * (kP + kR)), kv(size_t(2) * kL), pe(size_t(2) * kR);
+  std::vector<float> out(size_t(2) * kN * kV);
+  const TensorView qv = TensorView::contiguous(q.data(), DType::kF32, {2, kN, kP + kR}, dev);
+  const TensorView kvv = TensorView::contiguous(kv.data(), DType::kF32, {2, kL}, dev);
+  const TensorView pev = TensorView::contiguous(pe.data(), DType::kF32, {2, kR}, dev);
+  const TensorView outv = TensorView::contiguous(out.data(), DType::kF32, {2, kN * kV}, dev);
+  ForwardContext ctx;
+  MLAOptions o = mla_options(DType::kF32, kAuto);
+  o.device = dev;
+  o.attn_backend = "with_ops";
+  MLAAttention layer(ctx, o, registry);
+  int stream_tag = 0;
+  layer.set_stream(Stream{&stream_tag});
+  ctx.begin_profile_step();
+  layer.forward(qv, kvv, pev, outv);
+  EXPECT_EQ(ops.calls, std::vector<std::string>{"zero_rows"});
+  EXPECT_EQ(ops.zeroed.data, outv.data);
+  EXPECT_EQ(ops.zero_stream.handle, &stream_tag);
+
+  o.attn_backend = "without_ops";
+  MLAAttention refused(ctx, o, registry);
+  EXPECT_ERROR(refused.forward(qv, kvv, pev, outv), NotSupported,
+               "backend 'without_ops' has no MLA device operations");
+  ctx.end_step();
 }
 
 TEST(MLAAttention, ValidatesFormulationOptions) {

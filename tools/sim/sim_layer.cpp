@@ -7,6 +7,7 @@
 #include "pagedattn/kv_cache.h"
 #include "pagedattn/layer.h"
 #include "pagedattn/mla.h"
+#include "pagedattn/mla_check.h"
 #include "sim/simulation.h"
 #include "sim/workload.h"
 

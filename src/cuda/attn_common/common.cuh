@@ -50,10 +50,8 @@ __device__ __forceinline__ RowRange row_range(const AttnParams& p, const Work& w
   rr.lo = 0;
   rr.hi = w.kv_len;
   if (p.causal) rr.hi = min(rr.hi, rr.pos + 1);
-  if (p.window > 0) {
-    rr.lo = max(0, rr.pos - p.window + 1);
-    if (p.window_right) rr.hi = min(rr.hi, rr.pos + p.window);
-  }
+  if (p.window_left >= 0) rr.lo = max(0, rr.pos - p.window_left);
+  if (p.window_right >= 0) rr.hi = min(rr.hi, rr.pos + p.window_right + 1);
   return rr;
 }
 

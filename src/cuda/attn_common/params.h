@@ -51,8 +51,8 @@ struct AttnParams {
   const float* sinks;         ///< [num_heads] (natural-log units) or nullptr
   float v_scale;              ///< fp8: multiplies the output; 1 otherwise
   int causal;                 ///< mask keys after the query position (decoder)
-  int window;                 ///< > 0: keys older than pos - (window - 1) are masked
-  int window_right;           ///< encoder_only: keys past pos + (window - 1) are masked too
+  int window_left;            ///< >= 0: keys j < pos - window_left are masked; -1 = unbounded
+  int window_right;           ///< >= 0: keys j > pos + window_right are masked; -1 = unbounded
 
   int num_splits;      ///< grid.y; > 1: partials go to the workspace, the combine kernel merges
   float* partial_o;    ///< [num_splits, T_a, num_heads, head_size] float, normalised, v-scaled

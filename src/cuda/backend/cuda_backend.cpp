@@ -26,6 +26,7 @@
 #include "cuda/merge/config.h"
 #include "cuda/merge/launch.h"
 #include "cuda/mla/launch.h"
+#include "cuda/mla/proj.h"
 #include "cuda/prefill/launch.h"
 #include "pagedattn/error.h"
 
@@ -122,6 +123,8 @@ class CudaBackend final : public Backend {
                                            Device device) const override {
     return std::make_unique<CudaImpl>(config, device, options_);
   }
+
+  const MLADeviceOps* mla_device_ops() const override { return &mla::device_ops(); }
 
   std::unique_ptr<Plan> plan(const AttentionMetadata& md,
                              const AttentionConfig& config) const override {

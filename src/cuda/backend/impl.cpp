@@ -342,8 +342,8 @@ void set_features(attn::AttnParams& p, const ForwardArgs& a, const AttentionConf
   p.sinks = sinks.defined() ? sinks.data_as<const float>() : nullptr;
   p.v_scale = fp8 ? a.scales.v_scale : 1.0f;
   p.causal = cfg.causal();
-  p.window = cfg.sliding_window.value_or(0);
-  p.window_right = cfg.attn_type == AttentionType::kEncoderOnly && p.window > 0;
+  p.window_left = cfg.window_left();
+  p.window_right = cfg.window_right();
 }
 
 // Split-KV partials into the workspace when the plan splits (the plan checked against this

@@ -100,8 +100,8 @@ std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& md, const Attention
   for (int r = 0; r < md.num_seqs; ++r) {
     const int q = at(qsl, r + 1) - at(qsl, r);
     int kv = cached ? at(sl, r) : q;
-    // A window caps what any of the request's rows sees at W + q - 1 keys.
-    if (config.sliding_window) kv = std::min(kv, *config.sliding_window + q - 1);
+    // A window caps what any of the request's rows sees at window_left + q keys.
+    if (const int left = config.window_left(); left >= 0) kv = std::min(kv, left + q);
     in.q_lens.push_back(q);
     in.kv_lens.push_back(kv);
   }

@@ -82,6 +82,10 @@ class CudaRuntime final : public DeviceRuntime {
     DeviceGuard guard(index);
     PAGEDATTN_CUDA_CHECK(cudaDeviceSynchronize());
   }
+  void synchronize_stream(int index, Stream stream) override {
+    DeviceGuard guard(index);
+    PAGEDATTN_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
+  }
 };
 
 }  // namespace

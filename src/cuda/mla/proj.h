@@ -4,9 +4,13 @@
 // stream): no allocation, no synchronisation, so a forward built on them can be graph-captured.
 #pragma once
 
+#include "pagedattn/mla_device_ops.h"
 #include "pagedattn/tensor.h"
 
 namespace pagedattn::cuda::mla {
+
+/// The functions below as the cuda backend's Backend::mla_device_ops() (proj_ops.cpp).
+const MLADeviceOps& device_ops();
 
 /// latent [T, 1, L + R] (contiguous, float16 / bfloat16) row t = [kv_c[t] | k_pe[t]] rounded to
 /// latent's dtype; kv_c [T, L] and k_pe [T, R] any strides, any float dtype but float64.
@@ -27,7 +31,8 @@ void absorb_query(const TensorView& q, const float* w_uk_t, int p, const TensorV
 void up_project(const TensorView& o_lat, const float* w_uv, int l, int v, int64_t num_tokens,
                 const TensorView& out, void* stream, const int64_t* rows = nullptr);
 
-/// The prefill formulation's pieces (spec 5.4), used by core/mla_prefill_device.cpp.
+/// The prefill formulation's pieces (spec 5.4), used by core/mla_prefill_device.cpp through
+/// device_ops().
 ///
 /// latent [K, L + R] (contiguous, 16-bit) row k = the cache entry of request keys[2k] at
 /// position keys[2k + 1] (int32 pairs on the device), through `block_table` (int32 [S, M], any
