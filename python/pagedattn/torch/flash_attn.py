@@ -33,14 +33,21 @@ def _host_floats(x: Any, name: str) -> Optional[List[float]]:
 
 
 def _host_scale(x: Any, name: str) -> float:
-    """A scale given as a number or a one-element (or broadcast) tensor."""
+    """A scale given as a number, a one-element tensor, or a tensor holding one value in every
+    element (vLLM expands a per-tensor scale to FlashAttention's [batch, num_kv_heads]). A
+    tensor of differing values (per-head or per-request scales) is refused, never read as its
+    first element."""
     if x is None:
         return 1.0
     if isinstance(x, torch.Tensor):
-        flat = x.detach().reshape(-1)
+        flat = x.detach().reshape(-1).float().cpu()
         if flat.numel() == 0:
             raise _C.InvalidArgument(f"{name} is empty")
-        return float(flat[0])  # per-tensor scales only (vLLM expands one scalar)
+        if flat.numel() > 1 and not bool((flat == flat[0]).all()):
+            raise _C.NotSupported(
+                f"{name} of shape {list(x.shape)} holds differing values (per-head or "
+                f"per-request scales); this path takes one scale for the whole tensor")
+        return float(flat[0])
     return float(x)
 
 
