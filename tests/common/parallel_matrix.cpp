@@ -38,6 +38,28 @@ std::string join_reasons(const std::vector<std::string>& parts) {
   return s;
 }
 
+ParallelReference make_parallel_inputs(const bo::OpCase& k) {
+  ParallelReference r;
+  r.data = bo::make_case_data(k);
+  r.cache0 = bo::make_initial_cache(k, r.data);
+  r.num_actual_tokens = r.data.step.view().num_actual_tokens;
+  if (!r.cache0.defined()) return r;
+  const AttentionConfig& c = k.config;
+  r.exact.cache = Tensor::copy_of(r.cache0.view(), Device::cpu());
+  const AttentionMetadata md = r.data.step.to_device(Device::cpu());
+  if (md.num_slots() == 0) return r;
+  const auto ref64 = ref::make_backend(ref::Precision::kFloat64);
+  WriteKVArgs w{r.data.key.view(),
+                r.data.value.view(),
+                md.slot_mapping,
+                bo::cache_view_of(r.exact.cache, c.kv_cache_layout, k.latent),
+                KVScales{k.k_scale, k.v_scale, k.q_scale},
+                {}};
+  check_write_kv_args(c, w);
+  ref64->make_impl(c, Device::cpu())->write_kv(w);
+  return r;
+}
+
 ParallelReference make_parallel_reference(const bo::OpCase& k) {
   ParallelReference r;
   r.data = bo::make_case_data(k);

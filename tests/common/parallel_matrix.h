@@ -30,6 +30,11 @@ struct ParallelReference {
 
 ParallelReference make_parallel_reference(const backend_ops::OpCase& k);
 
+/// The case's inputs and the cache after the step as the float64 reference writes it (its
+/// write_kv alone, no attention): what a rank needs to run and check its share. exact.output,
+/// naive and dcp_naive stay empty; make_parallel_reference is this plus the two reference runs.
+ParallelReference make_parallel_inputs(const backend_ops::OpCase& k);
+
 /// Fills ref.dcp_naive for `world` ranks whose partial outputs are `partial_dtype`: the naive
 /// low-precision run of the DCP algorithm (each rank's share by the low-precision reference,
 /// merged in float64 in rank order, rounded once to the activation dtype). A DCP result is held

@@ -11,7 +11,10 @@
 //    the reason.
 // 2. Several steps of prefill chunks and decodes through the Attention layer under DCP (the
 //    cache carried from step to step), against the single-process layer.
-// Every rank computes the references itself and checks the gathered result. Shares cross by
+// Each case is checked by one rank (case i by rank i % world), which alone computes its
+// float64 and low-precision references, all of them before the first share runs so that the
+// ranks compute references side by side; every rank writes its own copy of the reference's
+// cache (write_kv alone) to check its share's bytes. Shares cross by
 // MPI_Allgather inside the transport-independent exchange of pagedattn/exchange.h (the same
 // layout, staging and rank-order merge the NCCL path runs on GPUs).
 #include <mpi.h>
@@ -98,7 +101,23 @@ struct Tally {
   std::map<std::string, std::vector<std::string>> refused;  // reason -> cases
 };
 
-// Every case once (its references computed once), then TP and DCP on each backend.
+// The reference runs of the cases this rank checks (case i by rank i % world): exact, naive and
+// DCP's naive twin, their inputs dropped (make_parallel_inputs draws them again).
+std::map<size_t, test::ParallelReference> own_references(const std::vector<bo::OpCase>& cases) {
+  std::map<size_t, test::ParallelReference> refs;
+  for (size_t i = size_t(rank_); i < cases.size(); i += size_t(world_)) {
+    const bo::OpCase& k = cases[i];
+    test::ParallelReference ref = test::make_parallel_reference(k);
+    test::add_dcp_naive(ref, k, world_, activation_partials_ ? k.config.dtype : DType::kF32);
+    ref.data = {};
+    ref.cache0 = {};
+    refs.emplace(i, std::move(ref));
+  }
+  return refs;
+}
+
+// Every case once (its references computed once, by its checker), then TP and DCP on each
+// backend.
 int matrix_checks(const std::vector<const Backend*>& backends,
                   const std::vector<bo::OpCase>& cases) {
   std::vector<std::pair<std::string, Tally>> tallies;  // "TP  cpu", "DCP cpu", ... in order
@@ -108,10 +127,20 @@ int matrix_checks(const std::vector<const Backend*>& backends,
     }
   }
   int failures = 0;
-  for (const bo::OpCase& k : cases) {
-    test::ParallelReference ref = test::make_parallel_reference(k);
+  std::map<size_t, test::ParallelReference> references = own_references(cases);
+  for (size_t case_index = 0; case_index < cases.size(); ++case_index) {
+    const bo::OpCase& k = cases[case_index];
+    const int checker = int(case_index % size_t(world_));
+    test::ParallelReference ref = test::make_parallel_inputs(k);
+    if (rank_ == checker) {
+      test::ParallelReference& mine = references.at(case_index);
+      ref.exact.output = std::move(mine.exact.output);
+      ref.exact.lse = std::move(mine.exact.lse);
+      ref.naive = std::move(mine.naive);
+      ref.dcp_naive = std::move(mine.dcp_naive);
+      references.erase(case_index);
+    }
     const DType partial = activation_partials_ ? k.config.dtype : DType::kF32;
-    test::add_dcp_naive(ref, k, world_, partial);
     size_t next_tally = 0;
     for (const Backend* backend : backends) {
       for (const bool is_tp : {true, false}) {
@@ -151,18 +180,19 @@ int matrix_checks(const std::vector<const Backend*>& backends,
             }
           }
           std::string errors;
-          why += test::check_parallel_rule(ref, k.config.dtype, out.view(), lse.view(), !is_tp,
-                                           &errors) +
-                 s.cache_mismatch;
-          if (verbose_ && why.empty() && rank_ == 0) std::printf("    %s\n", errors.c_str());
+          if (rank_ == checker) {
+            why += test::check_parallel_rule(ref, k.config.dtype, out.view(), lse.view(), !is_tp,
+                                             &errors);
+          }
+          why += s.cache_mismatch;
+          if (verbose_ && why.empty() && rank_ == checker) std::printf("    %s\n", errors.c_str());
         }
         const bool ok = all_max(why.empty() ? 0 : 1) == 0;
         (ok ? tally.passed : tally.failed) += 1;
         failures += !ok && rank_ == 0 ? 1 : 0;  // one count per case
-        // Rank 0 reports what every rank sees (the gathered result); a rank reports its own
-        // cache or error.
+        // The checker reports the gathered result; a rank reports its own cache or error.
         const bool own = s.status == RankShare::kError || !s.cache_mismatch.empty();
-        if (!why.empty() && (rank_ == 0 || own)) {
+        if (!why.empty() && (rank_ == checker || own)) {
           std::printf("[rank %d/%d] FAIL %s %s: %s\n", rank_, world_, label.c_str(), k.name.c_str(),
                       why.c_str());
         } else if (ok && verbose_ && rank_ == 0) {
