@@ -29,9 +29,16 @@ for spec in "$@"; do
   names+=("$name")
   declare "dir_$name=$dir"
 done
+# Odd rounds run the builds in the order given, even rounds in reverse: a long run warms the card
+# and the build that always runs second would pay for it.
 for round in $(seq 1 "$ROUNDS"); do
+  order=("${names[@]}")
+  if [ $((round % 2)) = 0 ]; then
+    order=()
+    for ((i = ${#names[@]} - 1; i >= 0; i--)); do order+=("${names[$i]}"); done
+  fi
   for bench in $BENCHES; do
-    for name in "${names[@]}"; do
+    for name in "${order[@]}"; do
       dir_var="dir_$name"
       bin="${!dir_var}/bench/gpu/bench_$bench"
       if [ ! -x "$bin" ]; then
