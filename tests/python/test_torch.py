@@ -284,6 +284,11 @@ def test_module_bad_arguments() -> None:
                                   torch.tensor([0, 4], dtype=torch.int32), 4,
                                   cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32),
                                   window_size=(3, 3), causal=True)
+    with pytest.raises(pa.NotSupported, match="alibi_slopes with causal=False"):
+        pt.flash_attn_varlen_func(q.detach(), q.detach(), q.detach(), 4,
+                                  torch.tensor([0, 4], dtype=torch.int32), 4,
+                                  cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32),
+                                  alibi_slopes=[0.5] * 8)
 
 
 def test_module_quantize_query_reaches_the_op() -> None:
