@@ -139,7 +139,7 @@ def _point_id(p) -> str:
 
 
 @pytest.mark.parametrize("index,point",
-                         sample_grid(list(enumerate(KVCACHE_GRID)), 40, 800, HAS_CUDA),
+                         sample_grid(list(enumerate(KVCACHE_GRID)), 40, 400, HAS_CUDA),
                          ids=_point_id)
 def test_flash_attn_kvcache(index, point) -> None:
     ((seqlen_q, seqlen_k), d, has_batch_idx, has_leftpad, page, rotary_fraction,
