@@ -86,7 +86,7 @@ void impl_write_kv(PyImpl& s, nb::handle key, nb::handle value, nb::handle slot_
 void impl_forward(PyImpl& s, nb::handle query, nb::handle kv_cache, const PyMetadata& metadata,
                   nb::handle output, nb::handle lse, nb::handle key, nb::handle value,
                   float k_scale, float v_scale, const PyPlan* plan, nb::handle workspace,
-                  uintptr_t stream, bool check) {
+                  uintptr_t stream, bool check, float q_scale) {
   const AttentionConfig& c = s.config;
   const AttentionMetadata& md = metadata.md;
   ForwardArgs f;
@@ -99,7 +99,7 @@ void impl_forward(PyImpl& s, nb::handle query, nb::handle kv_cache, const PyMeta
     f.key = as_heads(to_view(key, "key"), "key", c.num_kv_heads, c.head_size);
     f.value = as_heads(to_view(value, "value"), "value", c.num_kv_heads, c.head_size);
   }
-  f.scales = KVScales{k_scale, v_scale};
+  f.scales = KVScales{k_scale, v_scale, q_scale};
   f.metadata = &md;
   f.stream = to_stream(stream);
   // Metadata values are checked where the host can read them: CPU tensors or the *_cpu
@@ -248,11 +248,12 @@ void bind_backend(nb::module_& m) {
            nb::arg("key").none() = nb::none(), nb::arg("value").none() = nb::none(),
            nb::arg("k_scale") = 1.0f, nb::arg("v_scale") = 1.0f,
            nb::arg("plan").none() = nb::none(), nb::arg("workspace").none() = nb::none(),
-           nb::arg("stream") = 0, nb::arg("check") = true,
+           nb::arg("stream") = 0, nb::arg("check") = true, nb::arg("q_scale") = 1.0f,
            "Attention only: every key is read from kv_cache (key/value for encoder types). "
            "Writes output rows [0, num_actual_tokens) and, when given, lse float32 [num_heads, "
            "num_tokens]. Without a plan one is made from the metadata's host mirrors; without "
-           "a workspace one is allocated for the call.");
+           "a workspace one is allocated for the call. q_scale is the query's fp8 scale under "
+           "config.query_quant.");
 
   m.def(
       "allocate_kv_cache",

@@ -284,6 +284,36 @@ def test_module_bad_arguments() -> None:
                                   torch.tensor([0, 4], dtype=torch.int32), 4,
                                   cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32),
                                   window_size=(3, 3), causal=True)
+    with pytest.raises(pa.NotSupported, match="alibi_slopes with causal=False"):
+        pt.flash_attn_varlen_func(q.detach(), q.detach(), q.detach(), 4,
+                                  torch.tensor([0, 4], dtype=torch.int32), 4,
+                                  cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32),
+                                  alibi_slopes=[0.5] * 8)
+
+
+def test_module_quantize_query_reaches_the_op() -> None:
+    """pt.Attention(quantize_query=True) runs the op with query_quant and the layer's q_scale
+    (the selector takes ref on the CPU): its output is the plain layer's on the e4m3 query."""
+    ctx = pt.ForwardContext()
+    opts = dict(num_kv_heads=2, dtype=torch.float32, device="cpu", context=ctx,
+                has_checkpoint_kv_scales=True,
+                cache_config=pa.CacheConfig(cache_dtype="fp8_e4m3"))
+    quant = pt.Attention(4, 32, 32 ** -0.5, prefix="qq.0", quantize_query=True, **opts)
+    plain = pt.Attention(4, 32, 32 ** -0.5, prefix="qq.1", attn_backend="ref", **opts)
+    q_scale = 0.0125
+    for layer in (quant, plain):
+        layer.load_kv_scales(q_scale, 0.25, 0.5)
+        layer.bind_kv_cache([pt.allocate_kv_cache(4, 16, 2, 32, torch.uint8)])
+    md = pt.AttentionMetadata.from_step(pa.MetadataBuilder(16).add(0, 5, [1]).build(), "cpu")
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(5, h * 32, generator=gen) for h in (4, 2, 2))
+    q8 = (q / q_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * q_scale
+    with pt.set_forward_context(md, context=ctx):
+        got = quant(q, k, v)
+        want = plain(q8, k, v)
+        unquantised = plain(q, k, v)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (got - unquantised).abs().max() > 1e-4
 
 
 # --- CUDA graphs ----------------------------------------------------------------------------

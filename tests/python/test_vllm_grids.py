@@ -11,8 +11,9 @@ Written from the spec's descriptions of the grids and tolerances, not from vLLM'
 
 Grid axes that have no counterpart here are collapsed, not skipped: vLLM's FA version axis
 {2, 3} (pagedattn has one implementation), the reshape test's implementation axis
-{cuda, triton}. Points pagedattn cannot serve are skipped with the reason: fp8 queries
-(q dtype e4m3: pagedattn takes 16/32-bit queries). Everything else must pass.
+{cuda, triton}. Everything must pass (fp8 queries included: with q_dtype e4m3 the query and
+both caches are e4m3 with unit descales, as in vLLM's test, and the reference reads their
+values).
 
 The grids need a GPU (they run on CUDA only, since their shapes are sized for one);
 ``PAGEDATTN_GRIDS_ON_CPU=1`` runs them on the CPU backend through torch CPU tensors instead
@@ -84,9 +85,6 @@ VARLEN_GRID = list(itertools.product(
     ids=lambda v: str(v))
 def test_varlen_with_paged_kv(seqs, heads, head_size, num_blocks, window, soft_cap, dtype,
                               use_out, q_dtype) -> None:
-    if q_dtype is not None:
-        pytest.skip("fp8 queries (q_dtype e4m3) are not supported: pagedattn takes 16/32-bit "
-                    "queries (spec 4.14 / FA3-only in vLLM)")
     torch.manual_seed(0)
     seq_lens = VARLEN_SEQ_LENS[seqs]
     hq, hk = heads
@@ -108,12 +106,21 @@ def test_varlen_with_paged_kv(seqs, heads, head_size, num_blocks, window, soft_c
     scale = head_size ** -0.5
     window_size = (window - 1, 0) if window is not None else (-1, -1)
     out = torch.empty_like(query) if use_out else None
+    descale = {}
+    if q_dtype is not None:  # fp8 query and cache, unit descales; the reference reads them
+        e4m3 = torch.float8_e4m3fn
+        query, key_cache, value_cache = (t.to(e4m3) for t in (query, key_cache, value_cache))
+        ones = torch.ones(len(seq_lens), hk, device=DEVICE)
+        descale = dict(q_descale=ones, k_descale=ones, v_descale=ones)
     got = pt.flash_attn_varlen_func(
         q=query, k=key_cache, v=value_cache, cu_seqlens_q=cu_q, seqused_k=kv_lens_t,
         max_seqlen_q=max(q_lens), max_seqlen_k=max(kv_lens), softmax_scale=scale, causal=True,
-        window_size=window_size, block_table=block_table, softcap=soft_cap or 0.0, out=out)
+        window_size=window_size, block_table=block_table, softcap=soft_cap or 0.0, out=out,
+        **descale)
     if use_out:
         assert got is out
+    elif q_dtype is not None:
+        got = got.to(tdt)  # FA3 returns bf16 for an fp8 query
     ref, _ = R.attention_reference(
         query.double().cpu().numpy(), cu_q.cpu().numpy(), kv_lens, scale,
         keys_of=_gathered_keys(key_cache, value_cache, block_table, kv_lens),

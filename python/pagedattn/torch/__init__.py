@@ -21,6 +21,7 @@ from pagedattn.torch.flash_attn import (
     merge_attn_states,
     reshape_and_cache_flash,
 )
+from pagedattn.torch.kvcache import flash_attn_with_kvcache
 from pagedattn.torch.layer import (
     Attention,
     AttentionMetadata,
@@ -36,6 +37,7 @@ __all__ = [
     "ForwardContext",
     "allocate_kv_cache",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "get_forward_context",
     "merge_attn_states",
     "reshape_and_cache_flash",

@@ -96,12 +96,13 @@ def get_impl(
     sinks: Optional[List[float]],
     device: str,
     backend: str = "",
+    query_quant: bool = False,
 ) -> "_C.Impl":
     """A cached impl for one layer shape (built on first use: warm up before graph capture)."""
     alibi = tuple(alibi_slopes) if alibi_slopes else ()
     sink = tuple(sinks) if sinks else ()
     key = (num_heads, head_size, num_kv_heads, block_size, dtype, kv_cache_dtype, attn_type,
-           scale, sliding_window, softcap, alibi, sink, device, backend,
+           scale, sliding_window, softcap, alibi, sink, device, backend, query_quant,
            os.environ.get("PAGEDATTN_BACKEND"))
     impl = _impls.get(key)
     if impl is None:
@@ -119,6 +120,7 @@ def get_impl(
             kv_cache_dtype=kv_cache_dtype,
             block_size=block_size,
         )
+        config.query_quant = query_quant
         impl = _C.Impl(config, device, backend or None)
         _impls[key] = impl
     return impl
@@ -184,6 +186,8 @@ def attention(
     cu_seqlens_q_cpu: Optional[torch.Tensor],
     seqused_k_cpu: Optional[torch.Tensor],
     backend: str,
+    query_quant: bool = False,
+    q_scale: float = 1.0,
 ) -> None:
     """Attention for query rows [0, num_actual_tokens) of q [T, num_heads, head_size] into out
     (same shape) and softmax_lse float32 [num_heads, T].
@@ -194,7 +198,9 @@ def attention(
     sliding_window counts the current token (0 = none), softcap 0 = none. num_actual_tokens -1
     reads it from cu_seqlens_q_cpu (or the CPU cu_seqlens_q), else q.shape[0]. The *_cpu
     mirrors, when given, let the backend plan the step (KV splits on CUDA) and the host check
-    the metadata. backend names a backend ("" = the registry's choice).
+    the metadata. backend names a backend ("" = the registry's choice). query_quant is vLLM's
+    (AttentionConfig::query_quant): the query is quantised to e4m3 with q_scale and the backend
+    computes with fp8 products (cuda, ref; the cpu backend refuses it with its reason).
     """
     cached = attn_type in ("decoder", "encoder_decoder")
     num_heads, head_size = q.shape[1], q.shape[2]
@@ -221,7 +227,7 @@ def attention(
     device = _device(q)
     impl = get_impl(num_heads, head_size, num_kv_heads, block_size, _dtype_name(q), cache_dtype,
                     attn_type, softmax_scale, sliding_window, softcap, alibi_slopes, sinks,
-                    device, backend)
+                    device, backend, query_quant)
     num_seqs = seqused_k.shape[0]
     host_qsl = cu_seqlens_q_cpu if cu_seqlens_q_cpu is not None else (
         cu_seqlens_q if not cu_seqlens_q.is_cuda else None)
@@ -241,14 +247,15 @@ def attention(
     if plan.workspace_bytes > 0:
         workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=q.device)
     impl.forward(_dl(q), kv_cache, metadata, _dl(out), _dl(softmax_lse), _dl(key), _dl(value),
-                 k_scale, v_scale, plan, _dl(workspace), _stream(q))
+                 k_scale, v_scale, plan, _dl(workspace), _stream(q), q_scale=q_scale)
 
 
 @attention.register_fake
 def _attention_fake(q, key, value, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table,
                     out, softmax_lse, max_seqlen_q, max_seqlen_k, num_actual_tokens, attn_type,
                     softmax_scale, sliding_window, softcap, alibi_slopes, sinks, kv_cache_dtype,
-                    k_scale, v_scale, cu_seqlens_q_cpu, seqused_k_cpu, backend) -> None:
+                    k_scale, v_scale, cu_seqlens_q_cpu, seqused_k_cpu, backend, query_quant=False,
+                    q_scale=1.0) -> None:
     return None
 
 

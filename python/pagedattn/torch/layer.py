@@ -186,6 +186,7 @@ class Attention(torch.nn.Module):
         self.sliding_window = config.sliding_window
         self.logits_soft_cap = config.logits_soft_cap
         self.kv_cache_dtype = config.kv_cache_dtype
+        self.query_quant = config.query_quant
         self.alibi_slopes = list(config.alibi_slopes) or None
         self.sinks = sinks  # a parameter the model loads; re-read by process_weights_after_loading
         self._sinks_list = list(config.sinks) or None
@@ -303,7 +304,8 @@ class Attention(torch.nn.Module):
             md.max_query_len, md.max_seq_len, md.num_actual_tokens, self.attn_type, self.scale,
             self.sliding_window or 0, self.logits_soft_cap or 0.0, self.alibi_slopes,
             self._sinks_list, self.kv_cache_dtype, self._k_scale_float, self._v_scale_float,
-            md.query_start_loc_cpu, md.seq_lens_cpu, self._backend_name)
+            md.query_start_loc_cpu, md.seq_lens_cpu, self._backend_name, self.query_quant,
+            self._q_scale_float)
         return output.view(-1, shape[-1])
 
 
