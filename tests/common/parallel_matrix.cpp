@@ -38,11 +38,21 @@ std::string join_reasons(const std::vector<std::string>& parts) {
   return s;
 }
 
-ParallelReference make_parallel_inputs(const bo::OpCase& k) {
+namespace {
+
+// The case's inputs and pre-step cache, nothing computed on them yet.
+ParallelReference drawn_inputs(const bo::OpCase& k) {
   ParallelReference r;
   r.data = bo::make_case_data(k);
   r.cache0 = bo::make_initial_cache(k, r.data);
   r.num_actual_tokens = r.data.step.view().num_actual_tokens;
+  return r;
+}
+
+}  // namespace
+
+ParallelReference make_parallel_inputs(const bo::OpCase& k) {
+  ParallelReference r = drawn_inputs(k);
   if (!r.cache0.defined()) return r;
   const AttentionConfig& c = k.config;
   r.exact.cache = Tensor::copy_of(r.cache0.view(), Device::cpu());
@@ -61,14 +71,11 @@ ParallelReference make_parallel_inputs(const bo::OpCase& k) {
 }
 
 ParallelReference make_parallel_reference(const bo::OpCase& k) {
-  ParallelReference r;
-  r.data = bo::make_case_data(k);
-  r.cache0 = bo::make_initial_cache(k, r.data);
+  ParallelReference r = drawn_inputs(k);
   const auto ref64 = ref::make_backend(ref::Precision::kFloat64);
   const auto lowp = ref::make_backend(ref::Precision::kLowPrecision);
   r.exact = bo::run_on(*ref64, k, r.data, r.cache0, DType::kF64, DType::kF64, Device::cpu(), 0);
   r.naive = bo::run_on(*lowp, k, r.data, r.cache0, k.config.dtype, DType::kF32, Device::cpu(), 0);
-  r.num_actual_tokens = r.data.step.view().num_actual_tokens;
   return r;
 }
 
