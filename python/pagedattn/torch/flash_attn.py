@@ -86,6 +86,8 @@ def flash_attn_varlen_func(
     cu_seqlens_q_cpu: Optional[torch.Tensor] = None,
     seqused_k_cpu: Optional[torch.Tensor] = None,
     backend: str = "",
+    _lse_out: Optional[torch.Tensor] = None,
+    _query_quant: Optional[bool] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Varlen attention, paged (``block_table`` given) or over packed K/V.
 
@@ -103,7 +105,9 @@ def flash_attn_varlen_func(
     its values are ``q * q_descale``; the output is then ``out``'s dtype (default bfloat16).
 
     pagedattn extensions (keyword-only): ``cu_seqlens_q_cpu`` / ``seqused_k_cpu`` host copies
-    that let the CUDA backend plan KV splits, ``backend`` to force one by name.
+    that let the CUDA backend plan KV splits, ``backend`` to force one by name. ``_lse_out``
+    and ``_query_quant`` are for the FlashAttention 2/3 drop-ins (fa2.py, fa3.py): an LSE
+    buffer to fill, and a query they already widened from fp8.
 
     Returns ``out`` (``[total_q, num_heads, head_size]``), or ``(out, softmax_lse)`` with
     ``softmax_lse`` float32 ``[num_heads, total_q]`` when ``return_softmax_lse``.
@@ -147,9 +151,12 @@ def flash_attn_varlen_func(
         if cu_seqlens_k is None:
             raise _C.InvalidArgument("seqused_k (or cu_seqlens_k) is required")
         seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    if _query_quant is not None:
+        query_quant = _query_quant
     if out is None:
         out = torch.empty_like(q)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    lse = _lse_out if _lse_out is not None else torch.empty(
+        (q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     torch.ops.pagedattn.attention(
         q, None, None, k, v, cu_seqlens_q, seqused_k, block_table, out, lse,
         int(max_seqlen_q), int(max_seqlen_k), -1, attn_type, scale, sliding_window,
