@@ -240,6 +240,8 @@ def varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.T
     if chunk < 0:
         raise _C.InvalidArgument(f"attention_chunk ({chunk}) must be >= 0")
     left, right = window_pair(window_size)
+    if causal:
+        right = 0  # FlashAttention: causal bounds the window on the right at the query
     T, H, D = q.shape
     Hk = k.shape[-2]
     if Hk == 0 or H % Hk != 0:
