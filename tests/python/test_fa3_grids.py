@@ -234,3 +234,45 @@ def test_fa3_gradients_refused() -> None:
     out = fa3.flash_attn_func(q, k, k, causal=True)
     with pytest.raises(pa.NotSupported, match="gradients"):
         out.sum().backward()
+
+
+def _served_keys(plans, left, right, causal, q_start, sq):
+    """The keys each query row sees when the op runs plan_virtual's requests (bottom-right
+    aligned causal / non-causal blocks with their windows)."""
+    from pagedattn.torch import _fa_common as C
+
+    if causal:
+        right = 0
+    seen = {i: set() for i in range(sq)}
+    for plan, is_causal in ((plans[0], True), (plans[1], False)):
+        w = (left + right + 1 if is_causal else left + 1) if left >= 0 else 0
+        for r, q0, nq, lo, nk in zip(plan.req, plan.q0, plan.nq, plan.lo, plan.nk):
+            for i in range(nq):
+                a = i + nk - nq
+                first = max(0, a - w + 1) if w > 0 else 0
+                last = a if is_causal else nk - 1
+                seen[q0 + i - q_start].update(lo + j for j in range(first, last + 1))
+    assert isinstance(plans[0], C.VirtualPlan)
+    return seen
+
+
+def test_plan_virtual_matches_the_mask() -> None:
+    """Virtual requests cover exactly FlashAttention's mask (causal, windows bounded on either
+    side, attention_chunk, q longer than k, no keys), checked exhaustively on small shapes."""
+    from pagedattn.torch._fa_common import plan_virtual
+
+    gen = torch.Generator().manual_seed(14)
+    for trial in range(400):
+        sq, sk = (int(x) for x in torch.randint(0, 12, (2,), generator=gen))
+        causal = bool(trial % 2)
+        left, right, chunk = (int(x) for x in torch.randint(-1, 8, (3,), generator=gen))
+        chunk = max(chunk, 0)
+        plans = plan_virtual([3], [sq], [sk], causal, left, right, chunk)
+        seen = _served_keys(plans, left, right, causal, 3, sq)
+        r_eff = 0 if causal else right
+        for i in range(sq):
+            a = i + sk - sq
+            want = {j for j in range(sk)
+                    if (r_eff < 0 or j <= a + r_eff) and (left < 0 or j >= a - left)
+                    and (chunk == 0 or a - a % chunk <= j < a - a % chunk + chunk)}
+            assert seen[i] == want, (sq, sk, causal, left, right, chunk, i)
