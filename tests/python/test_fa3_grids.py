@@ -248,6 +248,7 @@ def _served_keys(plans, left, right, causal, q_start, sq):
         w = (left + right + 1 if is_causal else left + 1) if left >= 0 else 0
         for r, q0, nq, lo, nk in zip(plan.req, plan.q0, plan.nq, plan.lo, plan.nk):
             for i in range(nq):
+                assert not seen[q0 + i - q_start], "a query row in two virtual requests"
                 a = i + nk - nq
                 first = max(0, a - w + 1) if w > 0 else 0
                 last = a if is_causal else nk - 1
