@@ -84,7 +84,8 @@ def plan_virtual(q_starts: Sequence[int], q_lens: Sequence[int], k_lens: Sequenc
             hi_max = sk - 1 if ce is None else min(sk - 1, ce - 1)  # == a1 (see module doc)
             if hi_max < base:
                 continue  # every query of the segment lies before key 0
-            split = a1 + 1 if right < 0 else hi_max - right  # first a whose right bound clamps
+            # The first a whose right bound reaches hi_max (every a when there is no bound).
+            split = a0 if right < 0 else hi_max - right
             # Causal part: a in [a0, min(a1, split - 1)], keys up to a + right.
             c0, c1 = max(a0, base - right if right >= 0 else a0), min(a1, split - 1)
             if right >= 0 and c1 >= c0:
