@@ -30,10 +30,11 @@ def request64(q, k, v, causal, window, softcap, slope_row, scale, low_dtype=None
     s = torch.einsum("ihd,jhd->hij", q.to(ct), kk) * scale  # [h, sq, sk]
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(sq)[:, None]
-    j = torch.arange(sk)[None, :]
+    dev = q.device  # the reference runs where its inputs are (a GPU's float64 is fast)
+    i = torch.arange(sq, device=dev)[:, None]
+    j = torch.arange(sk, device=dev)[None, :]
     a = i + sk - sq
-    keep = torch.ones(sq, sk, dtype=torch.bool)
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=dev)
     if right >= 0:
         keep &= j <= a + right
     if left >= 0:
@@ -44,7 +45,8 @@ def request64(q, k, v, causal, window, softcap, slope_row, scale, low_dtype=None
     if slope_row is not None:
         s = s - slope_row.to(ct)[:, None, None] * (a - j).abs().to(ct)
     s = s.masked_fill(~keep, -math.inf)
-    m = s.amax(-1, keepdim=True) if sk > 0 else torch.full((h, sq, 1), -math.inf, dtype=ct)
+    m = s.amax(-1, keepdim=True) if sk > 0 else torch.full((h, sq, 1), -math.inf, dtype=ct,
+                                                                   device=dev)
     empty = torch.isinf(m)
     m0 = torch.where(empty, torch.zeros_like(m), m)
     p = torch.exp(s - m0)

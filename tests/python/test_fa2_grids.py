@@ -106,7 +106,8 @@ def test_flash_attn_varlen_causal(index, point) -> None:
     out = out.cpu()
     scale = d ** -0.5
     for r in range(batch):
-        args = (q[r, :lq[r]], k[r, :lk[r]], v[r, :lk[r]], True, window, 0.0, None, scale)
+        args = (dev(q[r, :lq[r]]), dev(k[r, :lk[r]]), dev(v[r, :lk[r]]), True, window, 0.0, None,
+                scale)
         ref, _ = request64(*args)
         naive, _ = request64(*args, low_dtype=tdt)
         assert_rule(out[cu_q[r]:cu_q[r + 1]], ref, naive, 1e-5, f"request {r}")

@@ -164,7 +164,7 @@ def test_flash_attn_varlen_output(index, point) -> None:
         if has_qv:  # <q, k> + <qv, v> is one dot product of [q, qv] with [k, v]
             qr = torch.cat((qr, qv[r, :used_q[r]].double()), dim=-1)
             kr = torch.cat((kr, vr), dim=-1)
-        args = (qr, kr, vr, causal, window, softcap, None, scale)
+        args = (dev(qr), dev(kr), dev(vr), causal, window, softcap, None, scale)
         ref, _ = request64(*args, chunk=chunk)
         naive, _ = request64(*args, out_dt, chunk=chunk, p_dtype=E4M3 if fp8 else None)
         got = out[cu_q[r]:cu_q[r + 1]]
