@@ -259,11 +259,12 @@ def varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.T
     if qv is not None:
         if fp8 or block_table is not None:
             raise _C.NotSupported("qv with an fp8 query or a paged cache is not supported")
-        # <q, k> + <qv, v> is one dot product of [q, qv] with [k, v]: values stay v, padded
-        # with zeros to the key width (sliced off the output).
-        q = torch.cat((q, qv.to(q.dtype)), dim=-1)
-        k = torch.cat((k, v), dim=-1)
-        v = torch.cat((v, torch.zeros_like(k[..., :D])), dim=-1)
+        # <q, k> + <qv, v> is one dot product of [qv, q] with [v, k]; P [v, k] holds P v in
+        # its first dv columns, so one tensor serves as keys and values (MLA's latent layout:
+        # on CUDA, d + dv = 576 with one KV head runs on the MLA latent kernel).
+        q = torch.cat((qv.to(q.dtype), q), dim=-1)
+        k = torch.cat((v, k), dim=-1)
+        v = k
     # Descales: fp8 only (FlashAttention 3 ignores them for 16-bit inputs).
     kv_scale = (1.0, 1.0)
     post = None
