@@ -207,11 +207,29 @@ def test_fa3_func_lse_and_kvcache() -> None:
                                       window_size=(3, 0), return_softmax_lse=True)
     o2, l2, *_ = res
     assert_rule(o2, out.double(), out.double(), 1e-2, "kvcache output")
+    # Without new k / v the cache is read as varlen attention: attention_chunk and a varlen
+    # q (left as the first 3 and 2 queries of each request's 4) are served.
+    lens = [3, 2]
+    qf = torch.cat([q[r, :lens[r]] for r in range(b)])
+    cu_q = torch.tensor([0, 3, 5], dtype=torch.int32)
+    seqlens = torch.tensor([9, 6], dtype=torch.int32)
+    got, got_lse = fa3.flash_attn_with_kvcache(
+        qf, kc, vc, cache_seqlens=seqlens, page_table=table, cu_seqlens_q=cu_q, max_seqlen_q=3,
+        causal=True, attention_chunk=4, return_softmax_lse=True)
+    assert got.shape == (5, h, d) and got_lse.shape == (h, 5)
+    for r in range(b):
+        n = int(seqlens[r])
+        args = (q[r, :lens[r]], k[r, :n], v[r, :n], True, (-1, -1), 0.0, None, d ** -0.5)
+        ref, _ = request64(*args, chunk=4)
+        naive, _ = request64(*args, torch.bfloat16, chunk=4)
+        assert_rule(got[cu_q[r]:cu_q[r + 1]], ref, naive, 1e-4, f"chunked request {r}")
+    new = torch.zeros(b, 1, hk, d, dtype=torch.bfloat16)
     with pytest.raises(pa.NotSupported, match="attention_chunk"):
-        fa3.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=sk, page_table=table,
+        fa3.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=4, page_table=table,
                                     attention_chunk=4)
     with pytest.raises(pa.NotSupported, match="qv"):
-        fa3.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=sk, page_table=table, qv=q)
+        fa3.flash_attn_with_kvcache(q, kc, vc, new, new, qv=q, cache_seqlens=4,
+                                    page_table=table)
 
 
 def test_fa3_combine() -> None:

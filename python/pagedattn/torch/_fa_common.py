@@ -257,8 +257,9 @@ def varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.T
         raise _C.NotSupported(f"q of dtype {q.dtype}: fp8 queries are float8_e4m3fn")
     out_dtype = (out.dtype if out is not None else torch.bfloat16) if fp8 else q.dtype
     if qv is not None:
-        if fp8 or block_table is not None:
-            raise _C.NotSupported("qv with an fp8 query or a paged cache is not supported")
+        if fp8:
+            raise _C.NotSupported("qv with an fp8 query is not supported (FlashAttention 3 "
+                                  "has no fp8 qv either)")
         # <q, k> + <qv, v> is one dot product of [qv, q] with [v, k]; P [v, k] holds P v in
         # its first dv columns, so one tensor serves as keys and values (MLA's latent layout:
         # on CUDA, d + dv = 576 with one KV head runs on the MLA latent kernel).

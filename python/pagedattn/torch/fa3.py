@@ -198,31 +198,96 @@ def flash_attn_with_kvcache(
     *,
     backend: str = "",
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """FlashAttention 3's decode API, served by pagedattn.torch.flash_attn_with_kvcache
-    (``page_table`` is its ``block_table``; new k/v appended in place; rotary; fp8 q with
-    ``q_descale``; one k/v descale per tensor). Refused with NotSupported: ``qv``, a varlen q
-    (``cu_seqlens_q`` / ``max_seqlen_q``), ``cu_seqlens_k_new``, ``rotary_seqlens`` and
-    ``attention_chunk``. Returns out, or ``(out, softmax_lse)`` with ``return_softmax_lse``
-    (FlashAttention 3 appends its split accumulators too; ``out, lse, *rest = ...`` reads
-    both)."""
+    """FlashAttention 3's decode API. Without new k / v, rotary and cache_leftpad it is varlen
+    attention over the cache (``page_table`` [batch, max_pages] int32 over ``[num_pages,
+    page_size, kv_heads, d]``, or rows ``cache_batch_idx`` of a contiguous ``[batch_cache,
+    seqlen_cache, kv_heads, d]`` cache) through flash_attn_varlen_func's path: a varlen q
+    (``cu_seqlens_q``, ``max_seqlen_q``), ``qv``, ``attention_chunk``, any window and fp8
+    descales ``[batch, kv_heads]`` as there. With new k / v, rotary or ``cache_leftpad`` it is
+    pagedattn.torch.flash_attn_with_kvcache (``page_table`` as its ``block_table``; new k/v
+    appended in place; one k/v descale per tensor), which refuses ``qv``, a varlen q,
+    ``cu_seqlens_k_new``, ``rotary_seqlens`` and ``attention_chunk`` with NotSupported.
+    Returns out (``[batch, seqlen_q, heads, dv]``, or ``[total_q, heads, dv]`` for a varlen
+    q), or ``(out, softmax_lse)`` with ``return_softmax_lse`` (``[batch, heads, seqlen_q]`` /
+    ``[heads, total_q]``; FlashAttention 3 appends its split accumulators too, so
+    ``out, lse, *rest = ...`` reads both)."""
     del scheduler_metadata
     _hints(num_splits, pack_gqa, sm_margin, False)
+    if k is None and v is None and rotary_cos is None and cache_leftpad is None:
+        return _cache_as_varlen(q, k_cache, v_cache, qv, cache_seqlens, cache_batch_idx,
+                                page_table, cu_seqlens_q, max_seqlen_q, q_descale, k_descale,
+                                v_descale, softmax_scale, causal, window_size,
+                                int(attention_chunk), softcap, return_softmax_lse, backend)
     for value, name in ((qv, "qv"), (cu_seqlens_q, "cu_seqlens_q (a varlen q)"),
                         (cu_seqlens_k_new, "cu_seqlens_k_new"),
                         (rotary_seqlens, "rotary_seqlens")):
         if value is not None:
-            raise _C.NotSupported(f"{name} is not supported by flash_attn_with_kvcache here")
-    if max_seqlen_q is not None and int(max_seqlen_q) != q.shape[1]:
-        raise _C.NotSupported("max_seqlen_q belongs to a varlen q, which is not supported")
+            raise _C.NotSupported(
+                f"{name} with new k / v, rotary or cache_leftpad is not supported by "
+                f"flash_attn_with_kvcache here")
     if attention_chunk:
         raise _C.NotSupported(
-            "attention_chunk in flash_attn_with_kvcache is not supported (flash_attn_varlen_func "
-            "serves it)")
+            "attention_chunk with new k / v, rotary or cache_leftpad is not supported by "
+            "flash_attn_with_kvcache here (without them it is)")
     return _kvcache.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, page_table, softmax_scale, causal, window_size, softcap,
         rotary_interleaved, None, 0, return_softmax_lse, q_descale=q_descale,
         k_descale=k_descale, v_descale=v_descale, backend=backend)
+
+
+def _cache_as_varlen(q, k_cache, v_cache, qv, cache_seqlens, cache_batch_idx, page_table,
+                     cu_seqlens_q, max_seqlen_q, q_descale, k_descale, v_descale, softmax_scale,
+                     causal, window_size, chunk, softcap, return_softmax_lse, backend):
+    """flash_attn_with_kvcache without appends: the cache read through a block table (a
+    contiguous cache is one block of seqlen_cache tokens per row)."""
+    dev = q.device
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        if q.dim() != 3 or max_seqlen_q is None:
+            raise _C.InvalidArgument(
+                "with cu_seqlens_q, q must be [total_q, heads, d] and max_seqlen_q given")
+        cu_q, max_q, qf = cu_seqlens_q, int(max_seqlen_q), q
+    else:
+        if q.dim() != 4:
+            raise _C.InvalidArgument(
+                f"q must be [batch, seqlen_q, heads, d]; got shape {list(q.shape)}")
+        b, sq = q.shape[0], q.shape[1]
+        cu_q = torch.arange(b + 1, dtype=torch.int32, device=dev) * sq
+        max_q, qf = sq, q.reshape(b * sq, *q.shape[2:])
+    batch = cu_q.shape[0] - 1
+    if k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise _C.InvalidArgument(f"k_cache / v_cache must be 4-D; got {list(k_cache.shape)}, "
+                                 f"{list(v_cache.shape)}")
+    if page_table is not None:
+        if cache_batch_idx is not None:
+            raise _C.NotSupported("cache_batch_idx with a page_table (FlashAttention refuses it "
+                                  "too)")
+        table = page_table
+    else:
+        rows = (torch.arange(batch, dtype=torch.int32, device=dev) if cache_batch_idx is None
+                else cache_batch_idx.to(device=dev, dtype=torch.int32))
+        table = rows[:, None]
+    capacity = table.shape[1] * k_cache.shape[1]
+    if cache_seqlens is None:
+        seqused_k = torch.full((batch,), capacity, dtype=torch.int32, device=dev)
+    elif isinstance(cache_seqlens, int):
+        seqused_k = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=dev)
+    else:
+        seqused_k = cache_seqlens.to(device=dev, dtype=torch.int32)
+    qvf = None
+    if qv is not None:
+        qvf = qv if varlen else qv.reshape(qf.shape[0], *qv.shape[2:])
+    out, lse = C.varlen_core(
+        qf, k_cache, v_cache, cu_q, None, max_q, capacity, seqused_k=seqused_k,
+        block_table=table.to(torch.int32), scale=softmax_scale, causal=causal,
+        window_size=window_size, chunk=chunk, softcap=float(softcap or 0.0), qv=qvf,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, backend=backend)
+    if not varlen:
+        b, sq, h = q.shape[0], q.shape[1], q.shape[2]
+        out = out.view(b, sq, h, out.shape[-1])
+        lse = lse.view(h, b, sq).transpose(0, 1).contiguous()
+    return (out, lse) if return_softmax_lse else out
 
 
 def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor,
