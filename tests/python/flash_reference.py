@@ -76,6 +76,24 @@ def attention64(q, keys, values, causal, window, softcap, slopes, scale, low_dty
     return torch.stack(outs), torch.stack(lses)
 
 
+def rotate64(x, cos, sin, pos, interleaved):
+    """x [b, s, h, d] rotated at pos [b, s] over its first 2 * cos.shape[1] dims, in float64,
+    rounded to x's dtype (the rotated q and k are the kernel's inputs)."""
+    half = cos.shape[1]
+    if half == 0:
+        return x
+    c = cos.double()[pos].unsqueeze(2)
+    s = sin.double()[pos].unsqueeze(2)
+    y = x.double().clone()
+    if interleaved:
+        x1, x2 = y[..., 0:2 * half:2].clone(), y[..., 1:2 * half:2].clone()
+        y[..., 0:2 * half:2], y[..., 1:2 * half:2] = x1 * c - x2 * s, x1 * s + x2 * c
+    else:
+        x1, x2 = y[..., :half].clone(), y[..., half:2 * half].clone()
+        y[..., :half], y[..., half:2 * half] = x1 * c - x2 * s, x1 * s + x2 * c
+    return y.to(x.dtype)
+
+
 def assert_rule(got, ref, naive, atol, what):
     """docs/testing.md: max|got - ref| <= 2 * max|naive - ref| + atol (non-finite mismatches
     fail)."""

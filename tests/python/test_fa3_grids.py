@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 import pagedattn as pa  # noqa: E402
 from flash_reference import (assert_fa_rule, assert_rule, cap_lengths, refused,  # noqa: E402
-                             request64)
+                             request64, rotate64)
 from pagedattn.torch import fa3  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -223,13 +223,31 @@ def test_fa3_func_lse_and_kvcache() -> None:
         ref, _ = request64(*args, chunk=4)
         naive, _ = request64(*args, torch.bfloat16, chunk=4)
         assert_rule(got[cu_q[r]:cu_q[r + 1]], ref, naive, 1e-4, f"chunked request {r}")
-    new = torch.zeros(b, 1, hk, d, dtype=torch.bfloat16)
-    with pytest.raises(pa.NotSupported, match="attention_chunk"):
-        fa3.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=4, page_table=table,
-                                    attention_chunk=4)
-    with pytest.raises(pa.NotSupported, match="qv"):
-        fa3.flash_attn_with_kvcache(q, kc, vc, new, new, qv=q, cache_seqlens=4,
-                                    page_table=table)
+    # New keys appended in place (rotated), then attended: against the reference over the
+    # cache as the test expects it afterwards.
+    kc2, vc2 = kc.clone(), vc.clone()
+    k_new = torch.randn(b, 2, hk, d, generator=gen).to(torch.bfloat16)
+    v_new = torch.randn(b, 2, hk, d, generator=gen).to(torch.bfloat16)
+    angle = torch.rand(16, 8, generator=gen) * 6.28
+    cos, sin = torch.cos(angle).to(torch.bfloat16), torch.sin(angle).to(torch.bfloat16)
+    start = torch.tensor([5, 7], dtype=torch.int32)
+    got = fa3.flash_attn_with_kvcache(q, kc2, vc2, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                      cache_seqlens=start, page_table=table, causal=True,
+                                      attention_chunk=3, rotary_interleaved=False)
+    for r in range(b):
+        s0 = int(start[r])
+        kr = rotate64(k_new[r:r + 1], cos, sin, torch.arange(s0, s0 + 2)[None], False)[0]
+        qr = rotate64(q[r:r + 1], cos, sin, torch.arange(s0, s0 + sq)[None], False)[0]
+        slots = [int(table[r, j // 4]) * 4 + j % 4 for j in range(s0, s0 + 2)]
+        torch.testing.assert_close(kc2.view(-1, hk, d)[slots].float(), kr.float(), atol=1e-3,
+                                   rtol=2 ** -7)  # one rounding apart at most
+        assert torch.equal(vc2.view(-1, hk, d)[slots], v_new[r])
+        keys = torch.cat((k[r, :s0], kr))
+        vals = torch.cat((v[r, :s0], v_new[r]))
+        args = (qr, keys, vals, True, (-1, -1), 0.0, None, d ** -0.5)
+        ref, _ = request64(*args, chunk=3)
+        naive, _ = request64(*args, torch.bfloat16, chunk=3)
+        assert_rule(got[r], ref, naive, 1e-4, f"appended request {r}")
 
 
 def test_fa3_combine() -> None:

@@ -31,26 +31,9 @@ import pagedattn as pa  # noqa: E402
 import pagedattn.torch as pt  # noqa: E402
 from flash_reference import assert_rule as _assert_rule  # noqa: E402
 from flash_reference import attention64 as _attention64  # noqa: E402
+from flash_reference import rotate64 as _rotate64  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-
-
-def _rotate64(x, cos, sin, pos, interleaved):
-    """x [b, s, h, d] rotated at pos [b, s] over its first 2 * cos.shape[1] dims, in float64,
-    rounded to x's dtype (the rotated q and k are the kernel's inputs)."""
-    half = cos.shape[1]
-    if half == 0:
-        return x
-    c = cos.double()[pos].unsqueeze(2)
-    s = sin.double()[pos].unsqueeze(2)
-    y = x.double().clone()
-    if interleaved:
-        x1, x2 = y[..., 0:2 * half:2].clone(), y[..., 1:2 * half:2].clone()
-        y[..., 0:2 * half:2], y[..., 1:2 * half:2] = x1 * c - x2 * s, x1 * s + x2 * c
-    else:
-        x1, x2 = y[..., :half].clone(), y[..., half:2 * half].clone()
-        y[..., :half], y[..., half:2 * half] = x1 * c - x2 * s, x1 * s + x2 * c
-    return y.to(x.dtype)
 
 
 # --- FlashAttention's test_flash_attn_kvcache grid -----------------------------------------

@@ -198,14 +198,17 @@ def flash_attn_with_kvcache(
     *,
     backend: str = "",
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """FlashAttention 3's decode API. Without new k / v, rotary and cache_leftpad it is varlen
-    attention over the cache (``page_table`` [batch, max_pages] int32 over ``[num_pages,
-    page_size, kv_heads, d]``, or rows ``cache_batch_idx`` of a contiguous ``[batch_cache,
-    seqlen_cache, kv_heads, d]`` cache) through flash_attn_varlen_func's path: a varlen q
-    (``cu_seqlens_q``, ``max_seqlen_q``), ``qv``, ``attention_chunk``, any window and fp8
-    descales ``[batch, kv_heads]`` as there. With new k / v, rotary or ``cache_leftpad`` it is
-    pagedattn.torch.flash_attn_with_kvcache (``page_table`` as its ``block_table``; new k/v
-    appended in place; one k/v descale per tensor), which refuses ``qv``, a varlen q,
+    """FlashAttention 3's decode API as varlen attention over the cache, read through a block
+    table (``page_table`` [batch, max_pages] int32 over ``[num_pages, page_size, kv_heads, d]``,
+    or rows ``cache_batch_idx`` of a contiguous ``[batch_cache, seqlen_cache, kv_heads, d]``
+    cache) by flash_attn_varlen_func's path: a varlen q (``cu_seqlens_q``, ``max_seqlen_q``),
+    ``qv``, ``attention_chunk``, any window and fp8 descales ``[batch, kv_heads]`` as there.
+    New k / v (``[batch, seqlen_new, kv_heads, d]``, or varlen with ``cu_seqlens_k_new``) are
+    first written in place at positions ``cache_seqlens + i``, rotated by ``rotary_cos`` /
+    ``rotary_sin`` at ``rotary_seqlens`` (default ``cache_seqlens``) + i, as is q (every query at
+    the base unless causal or local). With ``cache_leftpad``, or a cache whose strides allow no
+    flat view, it is pagedattn.torch.flash_attn_with_kvcache instead (``page_table`` as its
+    ``block_table``; one k/v descale per tensor), which refuses ``qv``, a varlen q,
     ``cu_seqlens_k_new``, ``rotary_seqlens`` and ``attention_chunk`` with NotSupported.
     Returns out (``[batch, seqlen_q, heads, dv]``, or ``[total_q, heads, dv]`` for a varlen
     q), or ``(out, softmax_lse)`` with ``return_softmax_lse`` (``[batch, heads, seqlen_q]`` /
@@ -213,22 +216,25 @@ def flash_attn_with_kvcache(
     ``out, lse, *rest = ...`` reads both)."""
     del scheduler_metadata
     _hints(num_splits, pack_gqa, sm_margin, False)
-    if k is None and v is None and rotary_cos is None and cache_leftpad is None:
-        return _cache_as_varlen(q, k_cache, v_cache, qv, cache_seqlens, cache_batch_idx,
-                                page_table, cu_seqlens_q, max_seqlen_q, q_descale, k_descale,
-                                v_descale, softmax_scale, causal, window_size,
-                                int(attention_chunk), softcap, return_softmax_lse, backend)
+    if cache_leftpad is None and _flat_cache(k_cache) is not None and \
+            _flat_cache(v_cache) is not None:
+        return _cache_as_varlen(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin,
+                                cache_seqlens, cache_batch_idx, page_table, cu_seqlens_q,
+                                cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, q_descale,
+                                k_descale, v_descale, softmax_scale, causal, window_size,
+                                int(attention_chunk), softcap, rotary_interleaved,
+                                return_softmax_lse, backend)
     for value, name in ((qv, "qv"), (cu_seqlens_q, "cu_seqlens_q (a varlen q)"),
                         (cu_seqlens_k_new, "cu_seqlens_k_new"),
                         (rotary_seqlens, "rotary_seqlens")):
         if value is not None:
             raise _C.NotSupported(
-                f"{name} with new k / v, rotary or cache_leftpad is not supported by "
-                f"flash_attn_with_kvcache here")
+                f"{name} with cache_leftpad (or a cache without a flat view) is not "
+                f"supported by flash_attn_with_kvcache here")
     if attention_chunk:
         raise _C.NotSupported(
-            "attention_chunk with new k / v, rotary or cache_leftpad is not supported by "
-            "flash_attn_with_kvcache here (without them it is)")
+            "attention_chunk with cache_leftpad (or a cache without a flat view) is not "
+            "supported by flash_attn_with_kvcache here")
     return _kvcache.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, page_table, softmax_scale, causal, window_size, softcap,
@@ -236,18 +242,32 @@ def flash_attn_with_kvcache(
         k_descale=k_descale, v_descale=v_descale, backend=backend)
 
 
-def _cache_as_varlen(q, k_cache, v_cache, qv, cache_seqlens, cache_batch_idx, page_table,
-                     cu_seqlens_q, max_seqlen_q, q_descale, k_descale, v_descale, softmax_scale,
-                     causal, window_size, chunk, softcap, return_softmax_lse, backend):
-    """flash_attn_with_kvcache without appends: the cache read through a block table (a
-    contiguous cache is one block of seqlen_cache tokens per row)."""
+def _flat_cache(cache: torch.Tensor) -> Optional[torch.Tensor]:
+    """The cache as [slots, kv_heads, d] sharing its memory (writes land in the cache), or None
+    when its strides allow no such view."""
+    if cache.dim() != 4:
+        return None
+    try:
+        return cache.view(-1, cache.shape[2], cache.shape[3])
+    except RuntimeError:
+        return None
+
+
+def _cache_as_varlen(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens,
+                     cache_batch_idx, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q,
+                     rotary_seqlens, q_descale, k_descale, v_descale, softmax_scale, causal,
+                     window_size, chunk, softcap, rotary_interleaved, return_softmax_lse,
+                     backend):
+    """flash_attn_with_kvcache as varlen attention over the cache, read through a block table
+    (a contiguous cache is one block of seqlen_cache tokens per row), after new k / v are
+    written at positions cache_seqlens + i (rotated first with rotary_cos / rotary_sin)."""
     dev = q.device
     varlen = cu_seqlens_q is not None
     if varlen:
         if q.dim() != 3 or max_seqlen_q is None:
             raise _C.InvalidArgument(
                 "with cu_seqlens_q, q must be [total_q, heads, d] and max_seqlen_q given")
-        cu_q, max_q, qf = cu_seqlens_q, int(max_seqlen_q), q
+        cu_q, max_q, qf = cu_seqlens_q.to(torch.int32), int(max_seqlen_q), q
     else:
         if q.dim() != 4:
             raise _C.InvalidArgument(
@@ -256,33 +276,70 @@ def _cache_as_varlen(q, k_cache, v_cache, qv, cache_seqlens, cache_batch_idx, pa
         cu_q = torch.arange(b + 1, dtype=torch.int32, device=dev) * sq
         max_q, qf = sq, q.reshape(b * sq, *q.shape[2:])
     batch = cu_q.shape[0] - 1
-    if k_cache.dim() != 4 or v_cache.dim() != 4:
-        raise _C.InvalidArgument(f"k_cache / v_cache must be 4-D; got {list(k_cache.shape)}, "
-                                 f"{list(v_cache.shape)}")
+    bs = k_cache.shape[1]
     if page_table is not None:
         if cache_batch_idx is not None:
             raise _C.NotSupported("cache_batch_idx with a page_table (FlashAttention refuses it "
                                   "too)")
-        table = page_table
+        table = page_table.to(torch.int32)
     else:
         rows = (torch.arange(batch, dtype=torch.int32, device=dev) if cache_batch_idx is None
                 else cache_batch_idx.to(device=dev, dtype=torch.int32))
         table = rows[:, None]
-    capacity = table.shape[1] * k_cache.shape[1]
+    capacity = table.shape[1] * bs
     if cache_seqlens is None:
-        seqused_k = torch.full((batch,), capacity, dtype=torch.int32, device=dev)
+        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=dev)
     elif isinstance(cache_seqlens, int):
-        seqused_k = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=dev)
+        seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=dev)
     else:
-        seqused_k = cache_seqlens.to(device=dev, dtype=torch.int32)
+        seqlens = cache_seqlens.to(device=dev, dtype=torch.int32)
+    rows_q = C.row_requests(cu_q, qf.shape[0])
+    if (k is None) != (v is None):
+        raise _C.InvalidArgument("k and v are given together or not at all")
+    if rotary_cos is not None and k is None:
+        raise _C.InvalidArgument("rotary_cos / rotary_sin rotate the new k: pass k and v")
+    ro_base = (rotary_seqlens if rotary_seqlens is not None else seqlens).to(dev).long()
+    if rotary_cos is not None:
+        # Queries at rotary base + i when causal or local, else all at the base (FA's rule).
+        local = tuple(C.window_pair(window_size)) != (-1, -1)
+        i_q = torch.arange(qf.shape[0], device=dev) - cu_q.long()[rows_q]
+        pos_q = ro_base[rows_q] + (i_q if causal or local else 0)
+        qf = _kvcache._rotary(qf[None], rotary_cos, rotary_sin, pos_q[None], rotary_interleaved)[0]
+    if k is not None:
+        if cu_seqlens_k_new is not None:
+            kf, vf, cu_new = k, v, cu_seqlens_k_new.to(device=dev, dtype=torch.int32)
+        else:
+            if k.dim() != 4 or v.dim() != 4:
+                raise _C.InvalidArgument("k / v must be [batch, seqlen_new, kv_heads, d]")
+            n = k.shape[1]
+            kf, vf = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+            cu_new = torch.arange(batch + 1, dtype=torch.int32, device=dev) * n
+        new_lens = cu_new[1:] - cu_new[:-1]
+        host_end = C.host_ints(seqlens + new_lens)
+        if any(e > capacity or e < 0 for e in host_end):
+            raise _C.InvalidArgument(
+                f"cache_seqlens + the new tokens ({host_end}) must lie in [0, {capacity}]: the "
+                f"cache holds {capacity} tokens per request")
+        rows_k = C.row_requests(cu_new, kf.shape[0])
+        pos = seqlens.long()[rows_k] + torch.arange(kf.shape[0], device=dev) - \
+            cu_new.long()[rows_k]
+        if rotary_cos is not None:
+            pos_ro = ro_base[rows_k] + pos - seqlens.long()[rows_k]
+            kf = _kvcache._rotary(kf[None], rotary_cos, rotary_sin, pos_ro[None],
+                                  rotary_interleaved)[0]
+        col = (pos // bs).clamp(max=table.shape[1] - 1)
+        slots = table.long()[rows_k, col] * bs + pos % bs
+        _flat_cache(k_cache)[slots] = kf.to(k_cache.dtype)
+        _flat_cache(v_cache)[slots] = vf.to(v_cache.dtype)
+        seqlens = seqlens + new_lens
     qvf = None
     if qv is not None:
         qvf = qv if varlen else qv.reshape(qf.shape[0], *qv.shape[2:])
     out, lse = C.varlen_core(
-        qf, k_cache, v_cache, cu_q, None, max_q, capacity, seqused_k=seqused_k,
-        block_table=table.to(torch.int32), scale=softmax_scale, causal=causal,
-        window_size=window_size, chunk=chunk, softcap=float(softcap or 0.0), qv=qvf,
-        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, backend=backend)
+        qf, k_cache, v_cache, cu_q, None, max_q, capacity, seqused_k=seqlens,
+        block_table=table, scale=softmax_scale, causal=causal, window_size=window_size,
+        chunk=chunk, softcap=float(softcap or 0.0), qv=qvf, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale, backend=backend)
     if not varlen:
         b, sq, h = q.shape[0], q.shape[1], q.shape[2]
         out = out.view(b, sq, h, out.shape[-1])
