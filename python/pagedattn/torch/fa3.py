@@ -52,7 +52,8 @@ def flash_attn_varlen_func(
     backend: str = "",
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Varlen attention of q ``[total_q, heads, d]`` over packed k ``[total_k, kv_heads, d]``
-    and v ``[total_k, kv_heads, dv]``.
+    and v ``[total_k, kv_heads, dv]`` (or, with ``cu_seqlens_k`` None, batched k / v
+    ``[batch, seqlen_k, kv_heads, d]``).
 
     Request r's queries are rows ``cu_seqlens_q[r]`` onwards, ``seqused_q[r]`` of them when
     given (else up to ``cu_seqlens_q[r+1]``); its keys rows ``cu_seqlens_k[r]`` onwards,
@@ -68,6 +69,11 @@ def flash_attn_varlen_func(
     name for it) ``(out, softmax_lse)``, the LSE float32 ``[heads, total_q]``.
     """
     _hints(num_splits, pack_gqa, sm_margin, deterministic)
+    if cu_seqlens_k is None and k.dim() == 4 and v.dim() == 4:
+        # FlashAttention 3 also takes batched keys [batch, seqlen_k, kv_heads, d] here.
+        sk = k.shape[1]
+        cu_seqlens_k = torch.arange(k.shape[0] + 1, dtype=torch.int32, device=k.device) * sk
+        k, v = k.flatten(0, 1), v.flatten(0, 1)
     out, lse = C.varlen_core(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
         seqused_k=seqused_k, scale=softmax_scale, causal=causal, window_size=window_size,
