@@ -192,6 +192,10 @@ def test_fa3_func_lse_and_kvcache() -> None:
                                      torch.bfloat16)
         assert_rule(out[r], ref, naive, 1e-4, "output")
         assert_rule(lse[r], ref_lse, naive_lse, 1e-5, "lse")
+    cu4 = torch.tensor([0, sq, 2 * sq], dtype=torch.int32)
+    batched_k = fa3.flash_attn_varlen_func(q.flatten(0, 1), k, v, cu4, None, sq, sk, causal=True,
+                                           window_size=(3, 0))
+    assert torch.equal(batched_k, out.flatten(0, 1))  # keys batched when cu_seqlens_k is None
     qkv = torch.cat((q, k[:, :sq], v[:, :sq]), dim=2)
     got = fa3.flash_attn_qkvpacked_func(qkv, causal=True, num_heads_q=h)
     assert torch.equal(got, fa3.flash_attn_func(q, k[:, :sq], v[:, :sq], causal=True))
