@@ -191,9 +191,9 @@ TEST_P(CudaGraphLayers, ADecodeStepOfThreeLayersReplaysWithNewMetadata) {
 
 INSTANTIATE_TEST_SUITE_P(CacheDTypes, CudaGraphLayers,
                          ::testing::Values(KVCacheDType::kAuto, KVCacheDType::kFp8E4M3),
-                         [](const auto& info) {
-                           return info.param == KVCacheDType::kAuto ? std::string("bf16")
-                                                                    : std::string("fp8_e4m3");
+                         [](const auto& param_info) {
+                           return param_info.param == KVCacheDType::kAuto ? std::string("bf16")
+                                                                          : std::string("fp8_e4m3");
                          });
 
 }  // namespace
