@@ -14,7 +14,10 @@
 #include <string>
 #include <vector>
 
+#include "common/expect_error.h"
+#include "cuda/backend/plan.h"
 #include "pagedattn/case_file.h"
+#include "pagedattn/error.h"
 #include "pagedattn/layer.h"
 
 namespace pagedattn {
@@ -187,6 +190,28 @@ TEST_P(CudaGraphLayers, ADecodeStepOfThreeLayersReplaysWithNewMetadata) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(raw);
+}
+
+// Host only (no GPU needed): a decoder request with fewer keys than query tokens is refused on
+// the host by the plan (the kernels are not verified on rows that see no key); cross attention
+// with no keys and a decoder with as many keys as queries are planned.
+TEST(CudaBackendHost, PlanRefusesDecoderRowsThatSeeNoKey) {
+  AttentionConfig c;
+  c.num_heads = kHq;
+  c.num_kv_heads = kHk;
+  c.head_size = kD;
+  c.scale = 0.1f;
+  c.block_size = kBlock;
+  StepMetadata step = MetadataBuilder(kBlock).add({0, 3, {1}}).add({4, 1, {2}}).build();
+  EXPECT_NO_THROW(cuda::make_plan(step.view(), c, 132, 2));
+  step.seq_lens[0] = 1;
+  EXPECT_ERROR(cuda::make_plan(step.view(), c, 132, 2), NotSupported,
+               "request 0 has 3 query tokens but seq_len 1 keys");
+  EXPECT_ERROR(cuda::refuse_rows_without_keys(step.view(), c), NotSupported, "see no key");
+  step.seq_lens[0] = 0;
+  step.causal = false;
+  c.attn_type = AttentionType::kEncoderDecoder;
+  EXPECT_NO_THROW(cuda::make_plan(step.view(), c, 132, 2));
 }
 
 INSTANTIATE_TEST_SUITE_P(CacheDTypes, CudaGraphLayers,
