@@ -102,11 +102,17 @@ class Attention {
 
   /// Output-buffer mode: query [T, num_heads*head_size] or [T, num_heads, head_size]; key and
   /// value [T_kv, num_kv_heads*head_size] (or 3-D) or undefined views (None); output like
-  /// query. Writes rows [0, T_a); optional lse float32 [num_heads, T].
+  /// query. Writes rows [0, T_a); optional lse float32 [num_heads, T]. Every device operation
+  /// (the cache write, the attention, a profiling step's zeroing) is enqueued on `stream` (a
+  /// cudaStream_t for CUDA tensors; default: the legacy default stream) and nothing waits for
+  /// it, so a decode step can be captured in a CUDA graph once the context's plan and
+  /// workspace exist (the step's first forward builds them: run it eagerly first).
   void forward(const TensorView& query, const TensorView& key, const TensorView& value,
-               const TensorView& output, const TensorView& lse = {});
-  /// Allocating mode: returns output [T, num_heads*head_size] in the query dtype.
-  Tensor forward(const TensorView& query, const TensorView& key, const TensorView& value);
+               const TensorView& output, const TensorView& lse = {}, Stream stream = {});
+  /// Allocating mode: returns output [T, num_heads*head_size] in the query dtype, zeroed on
+  /// `stream` before the attention (rows [T_a, T) stay 0). Allocates: not for graph capture.
+  Tensor forward(const TensorView& query, const TensorView& key, const TensorView& value,
+                 Stream stream = {});
 
  private:
   void calibrate_scales(const TensorView& q, const TensorView& k, const TensorView& v);

@@ -298,8 +298,8 @@ Case case_from_safetensors(const SafeTensors& f) {
         bad("tensor 'kv_cache' must be [num_blocks, 2, block_size, num_kv_heads=", cfg.num_kv_heads,
             ", head_size=", cfg.head_size, "]; got ", desc(*kv));
       }
-      if (v.size(0) < 1 || v.size(2) < 1 || v.size(2) > std::numeric_limits<int>::max()) {
-        bad("tensor 'kv_cache' ", desc(*kv), " needs num_blocks >= 1 and block_size >= 1");
+      if (v.size(2) < 1 || v.size(2) > std::numeric_limits<int>::max()) {
+        bad("tensor 'kv_cache' ", desc(*kv), " needs block_size >= 1");
       }
       cfg.block_size = int(v.size(2));
       const DType want = kv_cache_storage_dtype(cfg.kv_cache_dtype, cfg.dtype);

@@ -249,7 +249,7 @@ void Attention::calibrate_scales(const TensorView& q, const TensorView& k, const
 
 void Attention::forward(const TensorView& query_in, const TensorView& key_in,
                         const TensorView& value_in, const TensorView& output_in,
-                        const TensorView& lse) {
+                        const TensorView& lse, Stream stream) {
   const int hq = config_.num_heads, hk = config_.num_kv_heads, d = config_.head_size;
   const TensorView query = as_heads(query_in, "query", hq, d);
   const TensorView key = as_heads(key_in, "key", hk, d);
@@ -267,9 +267,13 @@ void Attention::forward(const TensorView& query_in, const TensorView& key_in,
   const AttentionMetadata* md = context_.metadata(group);
   if (md == nullptr) {  // profiling run: no writes, zero output (spec 2.9)
     require(output.is_contiguous(), "output must be contiguous in a profiling run");
-    require_device(output.device).memset(output.data, 0, output.nbytes(), output.device.index);
+    require_device(output.device)
+        .memset_async(output.data, 0, output.nbytes(), output.device.index, stream);
     return;
   }
+  // Calibration reads max |x| back to the host (a blocking reduction on the device's default
+  // stream): the scales are host floats passed by value to the kernels. It happens once, on
+  // the first real batch, so a captured step (after an eager one) never does it.
   if (calculate_kv_scales_ && key.defined()) calibrate_scales(query, key, value);
 
   const bool cached = uses_kv_cache(config_.attn_type);
@@ -288,7 +292,7 @@ void Attention::forward(const TensorView& query_in, const TensorView& key_in,
   if (connector) connector->wait_for_layer_load(name_);
   if (cached && !kv_sharing_target_ && key.defined()) {
     // Write first, then read: every key, the new ones included, comes from the cache.
-    WriteKVArgs w{key, value, md->slot_mapping, cache, kv_scales(), {}};
+    WriteKVArgs w{key, value, md->slot_mapping, cache, kv_scales(), stream};
     check_write_kv_args(config_, w, /*check_slots=*/false);
     impl_->write_kv(w);
   }
@@ -307,16 +311,22 @@ void Attention::forward(const TensorView& query_in, const TensorView& key_in,
   f.lse = lse;
   f.plan = &context_.plan(group, *backend_, config_);
   f.workspace = context_.workspace(query.device, f.plan->workspace_bytes());
+  f.stream = stream;
   check_forward_args(config_, f, /*check_metadata=*/false);
   impl_->forward(f);
   if (connector) connector->save_kv_layer(name_, cache, *md, kv_scales());
 }
 
-Tensor Attention::forward(const TensorView& query, const TensorView& key, const TensorView& value) {
+Tensor Attention::forward(const TensorView& query, const TensorView& key, const TensorView& value,
+                          Stream stream) {
   const int64_t rows = query.defined() ? query.size(0) : 0;
-  Tensor out = Tensor::zeros({rows, int64_t(config_.num_heads) * config_.head_size}, query.dtype,
+  Tensor out = Tensor::empty({rows, int64_t(config_.num_heads) * config_.head_size}, query.dtype,
                              query.device);
-  forward(query, key, value, out.view());
+  // Zeroed on the stream, not with Tensor::zeros: that memset runs on the legacy default stream,
+  // which a non-blocking `stream` does not wait for (padding rows past T_a are never written).
+  const TensorView& o = out.view();
+  require_device(o.device).memset_async(o.data, 0, o.nbytes(), o.device.index, stream);
+  forward(query, key, value, out.view(), {}, stream);
   return out;
 }
 

@@ -420,6 +420,39 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
     c.scale = 0;
     m.add("heads", c, mixed_batch(), 1);
   }
+  // FlashAttention's edge cases: requests with no keys (output 0, LSE -inf), a decoder query
+  // longer than its keys under the bottom-right causal mask (its first rows see no key), with a
+  // window, sinks, the soft cap, ALiBi and an fp8 cache composed on it, and empty batches.
+  {
+    auto keys = [](int query_len, int seq_len) {
+      RequestShape r{0, query_len};
+      r.seq_len = seq_len;
+      return r;
+    };
+    AttentionConfig c = base;
+    m.add("no_keys", c, {{20, 2}, keys(3, 0), {0, 5}}, 1);
+    m.add("q_longer", c, {{0, 37}, keys(9, 4), {45, 1}, keys(40, 17)});
+    c.sliding_window = 3;
+    m.add("q_longer", c, {keys(9, 4), keys(2, 0), {30, 2}});
+    c.sliding_window.reset();
+    c.sinks = {-2.0f, -1.0f, 0.0f, 0.5f, 1.0f, 2.0f, 3.0f, 6.0f};
+    m.add("q_longer", c, {keys(9, 4), keys(2, 0), {30, 2}});
+    c.sinks.clear();
+    c.logits_soft_cap = 30.0f;
+    c.alibi_slopes = alibi_slopes(c.num_heads);
+    m.add("q_longer", c, {keys(9, 4), keys(2, 0), {30, 2}});
+    c = base;
+    c.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+    m.add("q_longer", c, {keys(9, 4), keys(2, 0), {30, 2}});
+    m.add("empty", base, {});
+    AttentionConfig cross = base;
+    cross.attn_type = AttentionType::kEncoderDecoder;
+    m.add("no_keys", cross, {{0, 2, 0, 0, false}, {0, 3, 0, 20, false}});
+    m.add("empty", cross, {});
+    AttentionConfig enc = base;
+    enc.attn_type = AttentionType::kEncoder;
+    m.add("empty", enc, {});
+  }
   return m.take();
 }
 

@@ -19,6 +19,9 @@ struct RequestShape {
   int share_prefix_blocks = 0;  ///< reuse the first N physical blocks of the previous request
   int encoder_len = 0;
   bool encoder_runs = false;
+  /// Decoders only, with context_len 0: keys when fewer than query_len (FlashAttention's
+  /// seqlen_q > seqlen_k; the first query_len - seq_len rows see no key); -1: context + query.
+  int seq_len = -1;
 };
 
 struct OpCase {

@@ -99,6 +99,23 @@ CaseData make_case_data(const OpCase& k) {
   data.num_query_rows = num_tokens + k.pad_tokens;
   builder.pad_slots_to(int(data.num_query_rows));
   data.step = builder.build();
+  if (!cross && cached) {
+    // A query longer than its keys: its last seq_len rows are positions 0.. (written where the
+    // builder put rows 0..), the rows before them sit at negative positions and write nothing.
+    int64_t t0 = 0;
+    for (size_t r = 0; r < k.requests.size(); ++r) {
+      const RequestShape& rq = k.requests[r];
+      if (rq.seq_len >= 0) {
+        const int64_t shift = rq.query_len - rq.seq_len;
+        for (int64_t i = rq.query_len - 1; i >= 0; --i) {
+          data.step.slot_mapping[size_t(t0 + i)] =
+              i < shift ? -1 : data.step.slot_mapping[size_t(t0 + i - shift)];
+        }
+        data.step.seq_lens[r] = rq.seq_len;
+      }
+      t0 += rq.query_len;
+    }
+  }
   if (cross) {
     data.step.slot_mapping = cross_slots;
     data.step.max_seq_len = 0;

@@ -193,6 +193,13 @@ RankShare dcp_rank_share(const Backend& backend, const bo::OpCase& k, const Para
   if (const auto why = DecodeContextParallel::unsupported(c); !why.empty()) {
     return refused(join_reasons(why));
   }
+  for (const bo::RequestShape& r : k.requests) {
+    if (r.seq_len >= 0) {  // DcpRequest has context + query keys: no way to say fewer
+      return refused("a request with fewer keys (" + std::to_string(r.seq_len) +
+                     ") than query tokens (" + std::to_string(r.query_len) +
+                     "): decode context parallelism's requests hold context + query keys");
+    }
+  }
   const auto dcp = DecodeContextParallel::of(rank, world);
   bo::OpCase kr = k;
   kr.config = dcp_config(c, dcp);

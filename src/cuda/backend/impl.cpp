@@ -389,6 +389,8 @@ void CudaImpl::forward(const ForwardArgs& a) {
   }
   if (md.num_seqs <= 0 || md.num_actual_tokens <= 0 || md.max_query_len <= 0) return;
   require_on(md.query_start_loc, device_, "metadata.query_start_loc");
+  // The backend's plan made this check for its step; without one it is made here.
+  if (dynamic_cast<const CudaPlan*>(a.plan) == nullptr) refuse_rows_without_keys(md, cfg);
   if (mla_ != nullptr) {
     forward_mla(a, stream);
     return;
