@@ -59,12 +59,9 @@ ParallelReference make_parallel_inputs(const bo::OpCase& k) {
   const AttentionMetadata md = r.data.step.to_device(Device::cpu());
   if (md.num_slots() == 0) return r;
   const auto ref64 = ref::make_backend(ref::Precision::kFloat64);
-  WriteKVArgs w{r.data.key.view(),
-                r.data.value.view(),
-                md.slot_mapping,
-                bo::cache_view_of(r.exact.cache, c.kv_cache_layout, k.latent),
-                KVScales{k.k_scale, k.v_scale, k.q_scale},
-                {}};
+  WriteKVArgs w{r.data.key.view(),   r.data.value.view(),
+                md.slot_mapping,     bo::cache_view_of(r.exact.cache, c.kv_cache_layout, k.latent),
+                bo::write_scales(k), {}};
   check_write_kv_args(c, w);
   ref64->make_impl(c, Device::cpu())->write_kv(w);
   return r;
@@ -160,6 +157,16 @@ RankShare tp_rank_share(const Backend& backend, const bo::OpCase& k, const Paral
     return refused(join_reasons(why));
   }
   const int hb = shard.head_begin, kb = shard.kv_head_begin;
+  // Per-head scales: the rank's KV heads ([num_kv_heads], or each row of [num_seqs, kv_heads]).
+  for (std::vector<float>* v : {&kr.k_scales, &kr.v_scales, &kr.q_scales}) {
+    if (v->empty()) continue;
+    std::vector<float> mine;
+    for (size_t row = 0; row < v->size(); row += size_t(c.num_kv_heads)) {
+      const auto first = v->begin() + std::ptrdiff_t(row) + kb;
+      mine.insert(mine.end(), first, first + shard.num_kv_heads);
+    }
+    *v = std::move(mine);
+  }
   bo::CaseData data = ref.data;
   data.query = Tensor::copy_of(ref.data.query.view().slice(1, hb, hb + shard.num_heads), {});
   data.key = Tensor::copy_of(ref.data.key.view().slice(1, kb, kb + shard.num_kv_heads), {});
