@@ -165,3 +165,23 @@ def test_torch_layer_per_head_scales_serve_each_head_its_own() -> None:
     torch.testing.assert_close(outs[0][:, :g], outs[1][:, :g], rtol=0, atol=0)
     torch.testing.assert_close(outs[0][:, g:], outs[2][:, g:], rtol=0, atol=0)
     assert not torch.equal(outs[1], outs[2])
+
+
+def test_case_file_per_head_scales(tmp_path) -> None:
+    """Per-head scales round trip through a case file, run on cpu and ref within the accuracy
+    rule, and a wrong length is refused on load naming the tensor."""
+    case = pa.make_random_case(seed=3, kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=0.5)
+    case.k_scales = [0.05, 2.0]
+    case.v_scales = [3.0, 0.1]
+    path = str(tmp_path / "case.safetensors")
+    pa.save_case(path, case)
+    loaded = pa.load_case(path)
+    np.testing.assert_array_equal(np.float32(loaded.k_scales), np.float32([0.05, 2.0]))
+    np.testing.assert_array_equal(np.float32(loaded.v_scales), np.float32([3.0, 0.1]))
+    for backend in ["cpu", "ref"]:
+        check = pa.check_case(loaded, pa.run_case(loaded, backend=backend, lse=True))
+        assert check.passed, str(check)
+    case.k_scales = [1.0, 2.0, 3.0]
+    pa.save_case(path, case)
+    with pytest.raises(pa.FormatError, match=r"tensor 'k_scales' must be float32 \[num_kv_heads=2\]"):
+        pa.load_case(path)
