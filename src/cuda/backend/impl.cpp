@@ -199,7 +199,7 @@ void CudaImpl::write_kv(const WriteKVArgs& a) {
   p.block_size = c.block_size();
   p.k_scale = a.scales.k_scale;
   p.v_scale = a.scales.v_scale;
-  if (a.scales.per_head()) {
+  if (a.scales.per_head() && is_fp8(config_.kv_cache_dtype)) {  // others ignore scales
     const int heads = config_.num_kv_heads;
     require<NotSupported>(heads <= cache_ops::kMaxHeadScales, "cuda backend: per-head k/v scales ",
                           "serve up to ", cache_ops::kMaxHeadScales, " KV heads; num_kv_heads is ",
