@@ -247,6 +247,20 @@ RankShare dcp_rank_share(const Backend& backend, const bo::OpCase& k, const Para
     requests.push_back(std::move(req));
   }
   const DcpStep step = dcp_step_metadata(requests, bs, dcp);
+  // Per-request scales ([num_seqs * num_kv_heads]): the DCP step has one request per query
+  // row, so request i's row repeats for each of its query rows.
+  const size_t hk = size_t(c.num_kv_heads), seqs = k.requests.size();
+  for (std::vector<float>* v : {&kr.k_scales, &kr.v_scales, &kr.q_scales}) {
+    if (v->size() != seqs * hk || seqs == 1) continue;
+    std::vector<float> rows;
+    for (size_t i = 0; i < seqs; ++i) {
+      for (int t = 0; t < k.requests[i].query_len; ++t) {
+        rows.insert(rows.end(), v->begin() + std::ptrdiff_t(i * hk),
+                    v->begin() + std::ptrdiff_t((i + 1) * hk));
+      }
+    }
+    *v = std::move(rows);
+  }
   bo::CaseData data = ref.data;
   data.step = step.metadata;
   s.run = bo::run_on(backend, kr, data, mine.storage(), partial_dtype, DType::kF32, device, 0);
