@@ -224,7 +224,14 @@ std::string describe(const Case& c) {
   if (c.kv_cache.defined()) {
     s += cat(", kv_cache ", to_string(g.kv_cache_dtype), " ", desc(c.kv_cache));
     if (is_fp8(g.kv_cache_dtype)) {
-      s += cat(" (k_scale ", c.scales.k_scale, ", v_scale ", c.scales.v_scale, ")");
+      auto scales = [](const std::vector<float>& heads, float whole) {
+        if (heads.empty()) return cat(whole);
+        std::string list = "[";
+        for (size_t h = 0; h < heads.size(); ++h) list += cat(h ? ", " : "", heads[h]);
+        return list + "]";
+      };
+      s += cat(" (k_scale ", scales(c.scales.k_scales, c.scales.k_scale), ", v_scale ",
+               scales(c.scales.v_scales, c.scales.v_scale), ")");
     }
   }
   if (g.sliding_window) s += cat(", sliding_window ", *g.sliding_window);
