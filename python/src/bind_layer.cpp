@@ -51,7 +51,8 @@ void make_attention(PyAttention* self, PyForwardContext& context, int num_heads,
                     const std::string& attn_type,
                     std::optional<std::string> kv_sharing_target_layer_name,
                     std::optional<std::string> attn_backend, nb::handle sinks, nb::handle dtype,
-                    nb::handle device, bool has_checkpoint_kv_scales, bool quantize_query) {
+                    nb::handle device, bool has_checkpoint_kv_scales, bool quantize_query,
+                    bool per_head_kv_scales) {
   AttentionOptions o;
   o.num_heads = num_heads;
   o.head_size = head_size;
@@ -70,6 +71,7 @@ void make_attention(PyAttention* self, PyForwardContext& context, int num_heads,
   o.device = parse_device(device);
   o.has_checkpoint_kv_scales = has_checkpoint_kv_scales;
   o.quantize_query = quantize_query;
+  o.per_head_kv_scales = per_head_kv_scales;
   new (self) PyAttention(context.ctx, o);
 }
 
@@ -260,7 +262,7 @@ void bind_layer(nb::module_& m) {
            nb::arg("attn_backend").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
            nb::arg("dtype") = "bfloat16", nb::arg("device") = "cpu",
            nb::arg("has_checkpoint_kv_scales") = false, nb::arg("quantize_query") = false,
-           nb::keep_alive<1, 2>(),
+           nb::arg("per_head_kv_scales") = false, nb::keep_alive<1, 2>(),
            "Resolves window and cache settings, validates, selects a backend (explaining any "
            "refusal) and registers under prefix in context.")
       .def_prop_ro("name", [](const PyAttention& a) { return a.layer.name(); })
@@ -287,6 +289,16 @@ void bind_layer(nb::module_& m) {
           [](PyAttention& a, float q, float k, float v) { a.layer.load_kv_scales(q, k, v); },
           nb::arg("q_scale"), nb::arg("k_scale"), nb::arg("v_scale"),
           "Checkpoint scales after weight loading; a negative value means absent.")
+      .def(
+          "load_kv_scales",
+          [](PyAttention& a, const std::vector<float>& q, const std::vector<float>& k,
+             const std::vector<float>& v) { a.layer.load_kv_scales(q, k, v); },
+          nb::arg("q_scale"), nb::arg("k_scale"), nb::arg("v_scale"),
+          "Per-head checkpoint scales: lists of num_kv_heads floats; an empty list means "
+          "absent.")
+      .def_prop_ro("q_scales", [](const PyAttention& a) { return a.layer.q_scales(); })
+      .def_prop_ro("k_scales", [](const PyAttention& a) { return a.layer.k_scales(); })
+      .def_prop_ro("v_scales", [](const PyAttention& a) { return a.layer.v_scales(); })
       .def_prop_ro("warnings", [](const PyAttention& a) { return a.layer.warnings(); })
       .def("forward", &forward, nb::arg("query"), nb::arg("key").none(), nb::arg("value").none(),
            nb::arg("output").none() = nb::none(), nb::arg("lse").none() = nb::none(),
