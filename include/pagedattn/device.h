@@ -44,6 +44,9 @@ class DeviceRuntime {
   virtual void copy(void* dst, Device dst_device, const void* src, Device src_device,
                     size_t bytes) = 0;
   virtual void memset(void* dst, int byte, size_t bytes, int index) = 0;
+  /// memset ordered on `stream` of device `index` without synchronising the host (capturable in
+  /// a CUDA graph); the CPU runtime sets the bytes at once.
+  virtual void memset_async(void* dst, int byte, size_t bytes, int index, Stream stream) = 0;
   /// Copies `rows` rows of `row_bytes` each within device `index`: row i from
   /// src + i * src_pitch to dst + i * dst_pitch (pitches >= row_bytes when rows > 1). Ordered on
   /// `stream` without synchronising the host, so it can be captured in a CUDA graph; the CPU

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "pagedattn/config.h"
 #include "pagedattn/tensor.h"
@@ -32,13 +33,42 @@ struct KVCacheView {
   static KVCacheView from_combined(const TensorView& kv);
 };
 
-/// Per-tensor scales of an fp8 cache: stored = saturate(x / scale), read = stored * scale.
-/// Ignored by non-fp8 caches.
+/// Scales of an fp8 cache: stored = saturate(x / scale), read = stored * scale. Ignored by
+/// non-fp8 caches. Each of K, V and Q has a per-tensor float and an optional vector that, when
+/// not empty, replaces it: [num_kv_heads] (one scale per KV head, vLLM's per-head cache
+/// quantisation) or, for attention only, [num_seqs * num_kv_heads] (FlashAttention 3's
+/// [batch, num_kv_heads] descales, row-major). A Q scale of a KV head applies to the query heads
+/// of its group. Host code reads scales only through the *_scale_of accessors; the argument
+/// checks (check_forward_args, check_write_kv_args) refuse any other vector length.
 struct KVScales {
   float k_scale = 1.0f;
   float v_scale = 1.0f;
-  /// AttentionConfig::query_quant only: the query's per-tensor fp8 scale (q8 = e4m3(q / q_scale)).
+  /// AttentionConfig::query_quant only: the query's fp8 scale (q8 = e4m3(q / q_scale)).
   float q_scale = 1.0f;
+  std::vector<float> k_scales = {};  ///< empty, [num_kv_heads] or [num_seqs * num_kv_heads]
+  std::vector<float> v_scales = {};  ///< likewise
+  std::vector<float> q_scales = {};  ///< likewise (query_quant only)
+
+  /// Whether any vector is set.
+  bool per_head() const { return !k_scales.empty() || !v_scales.empty() || !q_scales.empty(); }
+  /// The scale of KV head `kv_head` of sequence `seq` (a layer's num_kv_heads heads).
+  float k_scale_of(int seq, int kv_head, int num_kv_heads) const {
+    return pick(k_scales, k_scale, seq, kv_head, num_kv_heads);
+  }
+  float v_scale_of(int seq, int kv_head, int num_kv_heads) const {
+    return pick(v_scales, v_scale, seq, kv_head, num_kv_heads);
+  }
+  float q_scale_of(int seq, int kv_head, int num_kv_heads) const {
+    return pick(q_scales, q_scale, seq, kv_head, num_kv_heads);
+  }
+
+ private:
+  static float pick(const std::vector<float>& v, float whole, int seq, int kv_head,
+                    int num_kv_heads) {
+    if (v.empty()) return whole;
+    if (v.size() == size_t(num_kv_heads)) return v[size_t(kv_head)];
+    return v[size_t(seq) * size_t(num_kv_heads) + size_t(kv_head)];
+  }
 };
 
 /// An owning cache: one storage of num_blocks pages, viewed in the requested layout.

@@ -47,6 +47,9 @@ struct AttentionOptions {
   /// The seed's query_quant (AttentionConfig::query_quant): quantise the query to fp8 e4m3 with
   /// q_scale() and let the backend compute in fp8. Needs an fp8 / fp8_e4m3 cache.
   bool quantize_query = false;
+  /// Calibrate one k, v and q scale per KV head (q over the query heads of its group) instead
+  /// of one per tensor (calculate_kv_scales); the layer's kv_scales() then carry vectors.
+  bool per_head_kv_scales = false;
 };
 
 /// Scales from one batch (vLLM's calc_kv_scales): q = max|q| / 200, k = max|k| / 200,
@@ -55,10 +58,16 @@ struct AttentionOptions {
 /// tensor holds NaN or infinity.
 struct CalibratedScales {
   float q_scale = 1.0f, k_scale = 1.0f, v_scale = 1.0f;
-  bool all_zero = false;  ///< some tensor was all zeros: nothing to calibrate on
+  /// calc_kv_scales_per_head: [num_kv_heads] each (the floats then stay 1).
+  std::vector<float> q_scales, k_scales, v_scales;
+  bool all_zero = false;  ///< some tensor (or head) was all zeros: nothing to calibrate on
 };
 CalibratedScales calc_kv_scales(const Backend& backend, const TensorView& query,
                                 const TensorView& key, const TensorView& value);
+/// calc_kv_scales per KV head: query [T, num_heads, head_size], key and value
+/// [T, num_kv_heads, head_size]; head h's q scale is over query heads [h * G, (h + 1) * G).
+CalibratedScales calc_kv_scales_per_head(const Backend& backend, const TensorView& query,
+                                         const TensorView& key, const TensorView& value);
 
 class Attention {
  public:
@@ -93,20 +102,35 @@ class Attention {
   float q_scale() const { return q_scale_; }
   float k_scale() const { return k_scale_; }
   float v_scale() const { return v_scale_; }
-  KVScales kv_scales() const { return {k_scale_, v_scale_}; }
+  /// Per-KV-head scales ([num_kv_heads]; empty = per tensor, the floats above).
+  const std::vector<float>& q_scales() const { return q_scales_; }
+  const std::vector<float>& k_scales() const { return k_scales_; }
+  const std::vector<float>& v_scales() const { return v_scales_; }
+  /// The cache's scales (write_kv's and the attention's K/V): floats, or per-head vectors.
+  KVScales kv_scales() const { return {k_scale_, v_scale_, 1.0f, k_scales_, v_scales_, {}}; }
   /// Checkpoint scales after weight loading (vLLM's process_weights_after_loading for the KV
   /// quant method): a negative value means "not in the checkpoint".
   void load_kv_scales(float q_scale, float k_scale, float v_scale);
+  /// Per-head checkpoint scales: each [num_kv_heads] or empty ("not in the checkpoint"), every
+  /// value finite and > 0; the rules of the float overload apply per head.
+  void load_kv_scales(const std::vector<float>& q_scales, const std::vector<float>& k_scales,
+                      const std::vector<float>& v_scales);
   /// Warnings raised while loading scales (vLLM logs them).
   const std::vector<std::string>& warnings() const { return warnings_; }
 
   /// Output-buffer mode: query [T, num_heads*head_size] or [T, num_heads, head_size]; key and
   /// value [T_kv, num_kv_heads*head_size] (or 3-D) or undefined views (None); output like
-  /// query. Writes rows [0, T_a); optional lse float32 [num_heads, T].
+  /// query. Writes rows [0, T_a); optional lse float32 [num_heads, T]. Every device operation
+  /// (the cache write, the attention, a profiling step's zeroing) is enqueued on `stream` (a
+  /// cudaStream_t for CUDA tensors; default: the legacy default stream) and nothing waits for
+  /// it, so a decode step can be captured in a CUDA graph once the context's plan and
+  /// workspace exist (the step's first forward builds them: run it eagerly first).
   void forward(const TensorView& query, const TensorView& key, const TensorView& value,
-               const TensorView& output, const TensorView& lse = {});
-  /// Allocating mode: returns output [T, num_heads*head_size] in the query dtype.
-  Tensor forward(const TensorView& query, const TensorView& key, const TensorView& value);
+               const TensorView& output, const TensorView& lse = {}, Stream stream = {});
+  /// Allocating mode: returns output [T, num_heads*head_size] in the query dtype, zeroed on
+  /// `stream` before the attention (rows [T_a, T) stay 0). Allocates: not for graph capture.
+  Tensor forward(const TensorView& query, const TensorView& key, const TensorView& value,
+                 Stream stream = {});
 
  private:
   void calibrate_scales(const TensorView& q, const TensorView& k, const TensorView& v);
@@ -124,6 +148,8 @@ class Attention {
   bool calculate_kv_scales_ = false;
   bool has_checkpoint_scales_ = false;
   float q_scale_ = 1.0f, k_scale_ = 1.0f, v_scale_ = 1.0f;
+  bool per_head_scales_ = false;
+  std::vector<float> q_scales_, k_scales_, v_scales_;
   std::vector<std::string> warnings_;
 };
 

@@ -100,8 +100,9 @@ struct CacheGeometry {
 /// InvalidArgument naming the field, the request or token, the value and the bound:
 /// - shapes and dtypes; query_start_loc and seq_lens (and their mirrors) contiguous;
 ///   query_start_loc[0] == 0, non-decreasing, last == num_actual_tokens;
-/// - seq_lens[r] >= query_len[r] (cross attention: >= 0, its query may outnumber the encoder's
-///   keys); max_query_len / max_seq_len >= the real maxima;
+/// - seq_lens[r] >= 0 (a query may outnumber its keys, as FlashAttention allows:
+/// docs/semantics.md);
+///   max_query_len / max_seq_len >= the real maxima;
 /// - for cached types: block_table wide enough for ceil(seq_len / block_size), its used entries
 ///   inside [0, num_blocks); each slot -1 or inside the cache and, for decoders, inside one of
 ///   its own request's used blocks; decoders have at least num_actual_tokens slots and -1 past

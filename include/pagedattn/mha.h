@@ -50,10 +50,14 @@ class MultiHeadAttention {
   /// when Sq >= 1; any Skv otherwise), on the layer's device in its dtype; output like query.
   /// Skv != Sq runs on the selected backend's cross-attention path (NotSupported, with its
   /// reasons, when that backend refuses it). Per-(B, Sq, Skv) metadata is built once and kept on
-  /// the device, so repeated shapes launch without host work beyond the plan.
+  /// the device, so repeated shapes launch without host work beyond the plan. The attention is
+  /// enqueued on `stream`; a shape's first call uploads its metadata and may grow the workspace
+  /// (synchronous copies and an allocation), so run each shape once before capturing it.
   void forward(const TensorView& query, const TensorView& key, const TensorView& value,
                const TensorView& output, Stream stream = {});
-  Tensor forward(const TensorView& query, const TensorView& key, const TensorView& value);
+  /// Allocating mode: returns a new output shaped like query (allocates: not for capture).
+  Tensor forward(const TensorView& query, const TensorView& key, const TensorView& value,
+                 Stream stream = {});
 
  private:
   struct Step {

@@ -100,35 +100,35 @@ class MLAAttention {
   /// max|kv_c_normed| / 200 (vLLM's calc_kv_scales with k = kv_c_normed, v = k_pe), once.
   bool calculate_kv_scales() const { return calibrate_; }
 
-  /// The CUDA stream that device forwards enqueue on (default: the legacy default stream,
-  /// which a CUDA graph cannot capture). Ignored for host tensors.
-  void set_stream(Stream stream) { stream_ = stream; }
-
   /// q [T, N, P + R] (RoPE applied to the last R), kv_c_normed [T, L], k_pe [T, R] or
   /// [T, 1, R], all three in the layer's dtype; output [T, N * V] in the activation dtype
   /// (float32 / float64 also accepted, for checks), rows [0, num_actual_tokens) written. Host
   /// tensors may have any strides. Writes the step's latent entries (slot -1 skipped), then
   /// attends; reads the step's metadata (KV-cache group 0) from the context; a profiling step
-  /// zeroes the output.
+  /// zeroes the output. Device tensors: every operation is enqueued on `stream` (a
+  /// cudaStream_t; default: the legacy default stream, which a CUDA graph cannot capture); a
+  /// decode-only step is capturable after an eager first forward, a step with prefill requests
+  /// synchronises `stream` before returning (it frees its buffers). Host tensors: `stream` is
+  /// passed to the backend's calls and otherwise unused.
   void forward(const TensorView& q, const TensorView& kv_c_normed, const TensorView& k_pe,
-               const TensorView& output);
+               const TensorView& output, Stream stream = {});
 
  private:
   // The absorbed formulation for the requests of `md` (rows [0, md.num_actual_tokens)), whose
   // row i is the layer's input and output row rows[i] (empty: the identity).
   void forward_absorbed(const TensorView& q, const AttentionMetadata& md,
                         const std::vector<int64_t>& rows, const Plan& plan,
-                        const TensorView& output);
+                        const TensorView& output, Stream stream);
   // forward() on device tensors (mla_device.cpp): every step on the device; md == nullptr is a
   // profiling step.
   void forward_on_device(const TensorView& q, const TensorView& kv_c_normed, const TensorView& k_pe,
-                         const AttentionMetadata* md, const TensorView& output);
+                         const AttentionMetadata* md, const TensorView& output, Stream stream);
   // A device step with requests for the prefill formulation (mla_device.cpp): decodes absorbed
   // over metadata of their own, prefills expanded; eager (allocates and synchronises).
   void forward_split_on_device(const TensorView& q, const TensorView& kv_c_normed,
                                const TensorView& k_pe, const AttentionMetadata& md,
                                const std::vector<int>& decodes, const std::vector<int>& prefills,
-                               const TensorView& output);
+                               const TensorView& output, Stream stream);
 
   ForwardContext& context_;
   MLAOptions options_;
@@ -137,7 +137,6 @@ class MLAAttention {
   std::unique_ptr<AttentionImpl> impl_;
   KVCacheView cache_;
   float k_scale_ = 1.0f;
-  Stream stream_;
   bool calibrate_ = false;     // a calibration is still owed
   std::vector<float> w_uk_t_;  // [N, P, L]
   std::vector<float> w_uv_;    // [N, L, V]

@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, List, Optional, Sequence, Union
 
 from pagedattn import _C
 
 #: A paged cache: one combined [num_blocks, 2, block_size, num_kv_heads, head_size] array or a
 #: (key_cache, value_cache) pair of [num_blocks, block_size, num_kv_heads, head_size] arrays.
 KVCacheArg = Union[Any, Sequence[Any]]
+# A float (per tensor) or a sequence / array of floats (per head).
+ScaleArg = Union[float, Sequence[float], Any]
 
 _impls: dict[tuple, _C.Impl] = {}
 
@@ -119,8 +121,8 @@ def write_kv(
     kv_cache: KVCacheArg,
     *,
     kv_cache_dtype: str = "auto",
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: ScaleArg = 1.0,
+    v_scale: ScaleArg = 1.0,
     backend: Optional[str] = None,
     stream: Optional[int] = None,
 ) -> None:
@@ -131,8 +133,9 @@ def write_kv(
     ``slot_mapping[t]``; -1 skips it; only the first num_slots rows are read). The cache is
     written in place, in either layout (strides are read). For an fp8 cache pass
     ``kv_cache_dtype='fp8'``/``'fp8_e4m3'``/``'fp8_e5m2'``: it is stored as uint8 bytes and
-    written as ``saturate(x / scale)``. ``stream`` defaults to torch's current stream for CUDA
-    torch tensors.
+    written as ``saturate(x / scale)``, ``scale`` being ``k_scale`` / ``v_scale``: a float, or
+    one per KV head (a sequence or 1-D array of ``num_kv_heads`` values, as vLLM's per-head
+    cache quantisation). ``stream`` defaults to torch's current stream for CUDA torch tensors.
     """
     key_dtype, _, _ = _C.array_info(key)
     cache_dtype, (_, block_size, num_kv_heads, head_size), device = _cache_info(kv_cache)
@@ -154,7 +157,28 @@ def write_kv(
     impl = get_impl(config, device, backend)
     if stream is None:
         stream = current_stream(key, kv_cache)
-    impl.write_kv(key, value, slot_mapping, kv_cache, k_scale, v_scale, stream)
+    impl.write_kv(key, value, slot_mapping, kv_cache, scale_arg(k_scale), scale_arg(v_scale),
+                  stream)
+
+
+def scale_arg(x: ScaleArg) -> Union[float, List[float]]:
+    """A scale as Impl takes it: a float, or a flat list of floats (per head, or per request
+    and head, row-major) from any sequence or array (numpy, torch; read on the host)."""
+    if isinstance(x, (int, float)):
+        return float(x)
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    flat: List[float] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, (list, tuple)):
+            for e in v:
+                walk(e)
+        else:
+            flat.append(float(v))
+
+    walk(x)
+    return flat
 
 
 def merge_attn_states(

@@ -3,6 +3,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include <sstream>
@@ -67,16 +68,29 @@ void make_impl(PyImpl* self, const AttentionConfig& config, nb::handle device,
   new (self) PyImpl{&b, config, d, std::move(impl)};
 }
 
+// A scale argument: one float (per tensor) or a flat list (per head; the argument checks
+// refuse lengths other than num_kv_heads or, for the attention, num_seqs * num_kv_heads).
+using ScaleArg = std::variant<float, std::vector<float>>;
+
+void set_scale(const ScaleArg& arg, float* whole, std::vector<float>* per_head) {
+  if (const float* f = std::get_if<float>(&arg)) {
+    *whole = *f;
+  } else {
+    *per_head = std::get<std::vector<float>>(arg);
+  }
+}
+
 void impl_write_kv(PyImpl& s, nb::handle key, nb::handle value, nb::handle slot_mapping,
-                   nb::handle kv_cache, float k_scale, float v_scale, uintptr_t stream,
-                   bool check) {
+                   nb::handle kv_cache, const ScaleArg& k_scale, const ScaleArg& v_scale,
+                   uintptr_t stream, bool check) {
   const AttentionConfig& c = s.config;
   WriteKVArgs a;
   a.key = as_heads(to_view(key, "key"), "key", c.num_kv_heads, c.head_size);
   a.value = as_heads(to_view(value, "value"), "value", c.num_kv_heads, c.head_size);
   a.slot_mapping = to_view(slot_mapping, "slot_mapping");
   a.kv_cache = to_cache_view(kv_cache, "kv_cache", c.cache_dtype());
-  a.scales = KVScales{k_scale, v_scale};
+  set_scale(k_scale, &a.scales.k_scale, &a.scales.k_scales);
+  set_scale(v_scale, &a.scales.v_scale, &a.scales.v_scales);
   a.stream = to_stream(stream);
   check_write_kv_args(c, a, check);
   nb::gil_scoped_release release;
@@ -85,8 +99,8 @@ void impl_write_kv(PyImpl& s, nb::handle key, nb::handle value, nb::handle slot_
 
 void impl_forward(PyImpl& s, nb::handle query, nb::handle kv_cache, const PyMetadata& metadata,
                   nb::handle output, nb::handle lse, nb::handle key, nb::handle value,
-                  float k_scale, float v_scale, const PyPlan* plan, nb::handle workspace,
-                  uintptr_t stream, bool check, float q_scale) {
+                  const ScaleArg& k_scale, const ScaleArg& v_scale, const PyPlan* plan,
+                  nb::handle workspace, uintptr_t stream, bool check, const ScaleArg& q_scale) {
   const AttentionConfig& c = s.config;
   const AttentionMetadata& md = metadata.md;
   ForwardArgs f;
@@ -99,7 +113,9 @@ void impl_forward(PyImpl& s, nb::handle query, nb::handle kv_cache, const PyMeta
     f.key = as_heads(to_view(key, "key"), "key", c.num_kv_heads, c.head_size);
     f.value = as_heads(to_view(value, "value"), "value", c.num_kv_heads, c.head_size);
   }
-  f.scales = KVScales{k_scale, v_scale, q_scale};
+  set_scale(k_scale, &f.scales.k_scale, &f.scales.k_scales);
+  set_scale(v_scale, &f.scales.v_scale, &f.scales.v_scales);
+  set_scale(q_scale, &f.scales.q_scale, &f.scales.q_scales);
   f.metadata = &md;
   f.stream = to_stream(stream);
   // Metadata values are checked where the host can read them: CPU tensors or the *_cpu
@@ -236,7 +252,8 @@ void bind_backend(nb::module_& m) {
            nb::arg("kv_cache"), nb::arg("k_scale") = 1.0f, nb::arg("v_scale") = 1.0f,
            nb::arg("stream") = 0, nb::arg("check") = true,
            "Scatters key/value [T, num_kv_heads(, *)head_size] into kv_cache (one combined "
-           "array or a (key_cache, value_cache) pair) at slot_mapping (int64; -1 skips).")
+           "array or a (key_cache, value_cache) pair) at slot_mapping (int64; -1 skips). "
+           "k_scale / v_scale: a float, or a list of num_kv_heads floats (per head).")
       .def(
           "plan",
           [](const PyImpl& s, const PyMetadata& md) {
@@ -253,7 +270,8 @@ void bind_backend(nb::module_& m) {
            "Writes output rows [0, num_actual_tokens) and, when given, lse float32 [num_heads, "
            "num_tokens]. Without a plan one is made from the metadata's host mirrors; without "
            "a workspace one is allocated for the call. q_scale is the query's fp8 scale under "
-           "config.query_quant.");
+           "config.query_quant. Each scale is a float or a flat list of num_kv_heads (per "
+           "head) or num_seqs * num_kv_heads (per sequence and head, row-major) floats.");
 
   m.def(
       "allocate_kv_cache",

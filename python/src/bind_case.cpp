@@ -82,6 +82,16 @@ void bind_case(nb::module_& m) {
       .def_prop_rw(
           "v_scale", [](const Case& c) { return c.scales.v_scale; },
           [](Case& c, float s) { c.scales.v_scale = s; })
+      .def_prop_rw(
+          "k_scales", [](const Case& c) { return c.scales.k_scales; },
+          [](Case& c, const std::vector<float>& s) { c.scales.k_scales = s; },
+          "per-KV-head k scales ([] = k_scale for every head)")
+      .def_prop_rw(
+          "v_scales", [](const Case& c) { return c.scales.v_scales; },
+          [](Case& c, const std::vector<float>& s) { c.scales.v_scales = s; })
+      .def_prop_rw(
+          "q_scales", [](const Case& c) { return c.scales.q_scales; },
+          [](Case& c, const std::vector<float>& s) { c.scales.q_scales = s; })
       .def_prop_ro("num_seqs", &Case::num_seqs)
       .def_prop_ro("num_tokens", &Case::num_tokens)
       .def_prop_ro("num_actual_tokens", &Case::num_actual_tokens)

@@ -51,7 +51,8 @@ void make_attention(PyAttention* self, PyForwardContext& context, int num_heads,
                     const std::string& attn_type,
                     std::optional<std::string> kv_sharing_target_layer_name,
                     std::optional<std::string> attn_backend, nb::handle sinks, nb::handle dtype,
-                    nb::handle device, bool has_checkpoint_kv_scales, bool quantize_query) {
+                    nb::handle device, bool has_checkpoint_kv_scales, bool quantize_query,
+                    bool per_head_kv_scales) {
   AttentionOptions o;
   o.num_heads = num_heads;
   o.head_size = head_size;
@@ -70,6 +71,7 @@ void make_attention(PyAttention* self, PyForwardContext& context, int num_heads,
   o.device = parse_device(device);
   o.has_checkpoint_kv_scales = has_checkpoint_kv_scales;
   o.quantize_query = quantize_query;
+  o.per_head_kv_scales = per_head_kv_scales;
   new (self) PyAttention(context.ctx, o);
 }
 
@@ -89,14 +91,21 @@ void bind_caches(PyAttention& a, nb::handle caches, int kv_cache_group) {
 }
 
 // The output-buffer convention of every layer's forward: `run(out)` (with the GIL released)
-// writes into `output` when one is given (and it is returned), else into a new zeroed tensor of
-// `shape` that is returned.
+// writes into `output` when one is given (and it is returned), else into a new tensor of
+// `shape`, zeroed on `stream` (the layer's stream) so that the layer's work is ordered after it,
+// that is returned.
 template <class Run>
 nb::object run_into(nb::handle output, const std::vector<int64_t>& shape, DType dtype,
-                    Device device, Run&& run) {
+                    Device device, uintptr_t stream, Run&& run) {
   Tensor owned;
-  const TensorView out = output.is_none() ? (owned = Tensor::zeros(shape, dtype, device)).view()
-                                          : to_view(output, "output", true);
+  TensorView out;
+  if (output.is_none()) {
+    owned = Tensor::empty(shape, dtype, device);
+    out = owned.view();
+    require_device(device).memset_async(out.data, 0, out.nbytes(), device.index, to_stream(stream));
+  } else {
+    out = to_view(output, "output", true);
+  }
   {
     nb::gil_scoped_release release;
     run(out);
@@ -105,16 +114,16 @@ nb::object run_into(nb::handle output, const std::vector<int64_t>& shape, DType 
 }
 
 nb::object forward(PyAttention& a, nb::handle query, nb::handle key, nb::handle value,
-                   nb::handle output, nb::handle lse) {
+                   nb::handle output, nb::handle lse, uintptr_t stream) {
   const TensorView q = to_view(query, "query");
   const TensorView k = to_view(key, "key");
   const TensorView v = to_view(value, "value");
   require(!output.is_none() || lse.is_none(), "lse needs an output buffer");
   const TensorView l = to_view(lse, "lse", true);
   const AttentionConfig& c = a.layer.config();
-  return run_into(output, {q.defined() ? q.size(0) : 0, int64_t(c.num_heads) * c.head_size},
-                  q.dtype, q.device,
-                  [&](const TensorView& out) { a.layer.forward(q, k, v, out, l); });
+  return run_into(
+      output, {q.defined() ? q.size(0) : 0, int64_t(c.num_heads) * c.head_size}, q.dtype, q.device,
+      stream, [&](const TensorView& out) { a.layer.forward(q, k, v, out, l, to_stream(stream)); });
 }
 
 /// pagedattn.MultiHeadAttention: vLLM's no-cache layer for vision encoders.
@@ -139,13 +148,13 @@ void make_mha(PyMultiHeadAttention* self, int num_heads, int head_size, float sc
 }
 
 nb::object mha_forward(PyMultiHeadAttention& a, nb::handle query, nb::handle key, nb::handle value,
-                       nb::handle output) {
+                       nb::handle output, uintptr_t stream) {
   const TensorView q = to_view(query, "query");
   const TensorView k = to_view(key, "key");
   const TensorView v = to_view(value, "value");
   require(q.defined(), "query is required");
-  return run_into(output, q.shape_vector(), q.dtype, q.device,
-                  [&](const TensorView& out) { a.layer.forward(q, k, v, out); });
+  return run_into(output, q.shape_vector(), q.dtype, q.device, stream,
+                  [&](const TensorView& out) { a.layer.forward(q, k, v, out, to_stream(stream)); });
 }
 
 /// pagedattn.MLAAttention: the layer plus its bound latent cache (kept alive).
@@ -182,14 +191,15 @@ void make_mla(PyMLA* self, PyForwardContext& context, int num_heads, float scale
 }
 
 nb::object mla_forward(PyMLA& a, nb::handle q, nb::handle kv_c_normed, nb::handle k_pe,
-                       nb::handle output) {
+                       nb::handle output, uintptr_t stream) {
   const TensorView qv = to_view(q, "q");
   const TensorView kv = to_view(kv_c_normed, "kv_c_normed");
   const TensorView pe = to_view(k_pe, "k_pe");
   require(qv.defined(), "q is required");
   const AttentionConfig& c = a.layer.config();
-  return run_into(output, {qv.size(0), int64_t(c.num_heads) * a.layer.v_head_dim()}, c.dtype,
-                  qv.device, [&](const TensorView& out) { a.layer.forward(qv, kv, pe, out); });
+  return run_into(
+      output, {qv.size(0), int64_t(c.num_heads) * a.layer.v_head_dim()}, c.dtype, qv.device, stream,
+      [&](const TensorView& out) { a.layer.forward(qv, kv, pe, out, to_stream(stream)); });
 }
 
 }  // namespace
@@ -239,8 +249,9 @@ void bind_layer(nb::module_& m) {
                    [](const PyForwardContext& c) { return c.ctx.virtual_engine(); });
 
   nb::class_<PyAttention>(m, "Attention",
-                          "vLLM's Attention layer. forward() runs on the legacy default CUDA "
-                          "stream; pagedattn.torch.Attention uses torch's current stream.")
+                          "vLLM's Attention layer. forward() enqueues on `stream` (a cudaStream_t "
+                          "as an int; 0, the default, is the legacy default stream); "
+                          "pagedattn.torch.Attention uses torch's current stream.")
       .def("__init__", &make_attention, nb::arg("context"), nb::arg("num_heads"),
            nb::arg("head_size"), nb::arg("scale"), nb::arg("num_kv_heads").none() = nb::none(),
            nb::arg("alibi_slopes").none() = nb::none(), nb::arg("cache_config").none() = nb::none(),
@@ -251,7 +262,7 @@ void bind_layer(nb::module_& m) {
            nb::arg("attn_backend").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
            nb::arg("dtype") = "bfloat16", nb::arg("device") = "cpu",
            nb::arg("has_checkpoint_kv_scales") = false, nb::arg("quantize_query") = false,
-           nb::keep_alive<1, 2>(),
+           nb::arg("per_head_kv_scales") = false, nb::keep_alive<1, 2>(),
            "Resolves window and cache settings, validates, selects a backend (explaining any "
            "refusal) and registers under prefix in context.")
       .def_prop_ro("name", [](const PyAttention& a) { return a.layer.name(); })
@@ -278,22 +289,35 @@ void bind_layer(nb::module_& m) {
           [](PyAttention& a, float q, float k, float v) { a.layer.load_kv_scales(q, k, v); },
           nb::arg("q_scale"), nb::arg("k_scale"), nb::arg("v_scale"),
           "Checkpoint scales after weight loading; a negative value means absent.")
+      .def(
+          "load_kv_scales",
+          [](PyAttention& a, const std::vector<float>& q, const std::vector<float>& k,
+             const std::vector<float>& v) { a.layer.load_kv_scales(q, k, v); },
+          nb::arg("q_scale"), nb::arg("k_scale"), nb::arg("v_scale"),
+          "Per-head checkpoint scales: lists of num_kv_heads floats; an empty list means "
+          "absent.")
+      .def_prop_ro("q_scales", [](const PyAttention& a) { return a.layer.q_scales(); })
+      .def_prop_ro("k_scales", [](const PyAttention& a) { return a.layer.k_scales(); })
+      .def_prop_ro("v_scales", [](const PyAttention& a) { return a.layer.v_scales(); })
       .def_prop_ro("warnings", [](const PyAttention& a) { return a.layer.warnings(); })
       .def("forward", &forward, nb::arg("query"), nb::arg("key").none(), nb::arg("value").none(),
            nb::arg("output").none() = nb::none(), nb::arg("lse").none() = nb::none(),
+           nb::arg("stream") = 0,
            "query [T, num_heads*head_size] (or 3-D), key/value [T, num_kv_heads*head_size] or "
            "None. Without output, returns a new [T, num_heads*head_size] array (zero rows past "
            "num_actual_tokens).")
       .def("__call__", &forward, nb::arg("query"), nb::arg("key").none(), nb::arg("value").none(),
-           nb::arg("output").none() = nb::none(), nb::arg("lse").none() = nb::none())
+           nb::arg("output").none() = nb::none(), nb::arg("lse").none() = nb::none(),
+           nb::arg("stream") = 0)
       .def("__repr__", [](const PyAttention& a) {
         return "Attention(" + a.layer.extra_repr() + ", prefix='" + a.layer.name() + "')";
       });
 
   nb::class_<PyMultiHeadAttention>(m, "MultiHeadAttention",
                                    "vLLM's MultiHeadAttention: dense bidirectional attention "
-                                   "with no cache (vision encoders). forward() runs on the "
-                                   "legacy default CUDA stream.")
+                                   "with no cache (vision encoders). forward() enqueues on "
+                                   "`stream` (a cudaStream_t as an int; 0: the legacy default "
+                                   "stream).")
       .def("__init__", &make_mha, nb::arg("num_heads"), nb::arg("head_size"), nb::arg("scale"),
            nb::arg("num_kv_heads").none() = nb::none(), nb::arg("prefix") = "",
            nb::arg("attn_backend").none() = nb::none(), nb::arg("dtype") = "bfloat16",
@@ -302,19 +326,20 @@ void bind_layer(nb::module_& m) {
           "backend_name",
           [](const PyMultiHeadAttention& a) { return std::string(a.layer.backend().name()); })
       .def("forward", &mha_forward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
-           nb::arg("output").none() = nb::none(),
+           nb::arg("output").none() = nb::none(), nb::arg("stream") = 0,
            "query [B, Sq, num_heads*head_size] (or 4-D), key/value [B, Skv, "
            "num_kv_heads*head_size] (or 4-D), any Skv >= 1 (Skv != Sq runs as cross "
            "attention). Without output, returns a new array shaped like query.")
       .def("__call__", &mha_forward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
-           nb::arg("output").none() = nb::none());
+           nb::arg("output").none() = nb::none(), nb::arg("stream") = 0);
 
   nb::class_<PyMLA>(m, "MLAAttention",
                     "vLLM's MLAAttention (DeepSeek latent attention) over a paged latent cache: "
                     "decodes absorbed, prefills with K/V expanded per head and the cached "
                     "context in chunks merged by LSE (formulation='split', vLLM's; 'absorbed' "
                     "or 'prefill' force one for every request); host arrays on the ref and cpu "
-                    "backends.")
+                    "backends; forward() enqueues device work on `stream` (a cudaStream_t as an "
+                    "int; 0: the legacy default stream).")
       .def("__init__", &make_mla, nb::arg("context"), nb::arg("num_heads"), nb::arg("scale"),
            nb::arg("qk_nope_head_dim"), nb::arg("qk_rope_head_dim"), nb::arg("v_head_dim"),
            nb::arg("q_lora_rank").none(), nb::arg("kv_lora_rank"),
@@ -344,10 +369,10 @@ void bind_layer(nb::module_& m) {
           },
           nb::arg("latent_cache"), "The paged latent cache [num_blocks, block_size, L+R].")
       .def("forward", &mla_forward, nb::arg("q"), nb::arg("kv_c_normed"), nb::arg("k_pe"),
-           nb::arg("output").none() = nb::none(),
+           nb::arg("output").none() = nb::none(), nb::arg("stream") = 0,
            "q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R]; returns (or fills) [T, N*V].")
       .def("__call__", &mla_forward, nb::arg("q"), nb::arg("kv_c_normed"), nb::arg("k_pe"),
-           nb::arg("output").none() = nb::none());
+           nb::arg("output").none() = nb::none(), nb::arg("stream") = 0);
 }
 
 }  // namespace pagedattn::py

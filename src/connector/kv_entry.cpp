@@ -30,7 +30,15 @@ std::string exact_float(float v) {
 std::string join_scales(std::span<const KVScales> scales, bool k) {
   std::string s;
   for (size_t i = 0; i < scales.size(); ++i) {
-    s += cat(i ? "," : "", exact_float(k ? scales[i].k_scale : scales[i].v_scale));
+    // Per-head scales as "[s0;s1;...]": an entry stored under other head scales never loads.
+    const std::vector<float>& heads = k ? scales[i].k_scales : scales[i].v_scales;
+    if (heads.empty()) {
+      s += cat(i ? "," : "", exact_float(k ? scales[i].k_scale : scales[i].v_scale));
+      continue;
+    }
+    s += i ? ",[" : "[";
+    for (size_t h = 0; h < heads.size(); ++h) s += cat(h ? ";" : "", exact_float(heads[h]));
+    s += "]";
   }
   return s;
 }

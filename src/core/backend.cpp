@@ -110,7 +110,35 @@ void require_cache(const AttentionConfig& cfg, const KVCacheView& c, Device devi
   }
   require(c.key.size(0) == c.value.size(0), "kv_cache.key has ", c.key.size(0),
           " blocks but kv_cache.value has ", c.value.size(0));
-  require(c.key.size(0) > 0, "kv_cache has no blocks");
+  // A cache of zero blocks is legal (every request then has seq_len 0: validate_metadata refuses
+  // any block id >= num_blocks).
+}
+
+}  // namespace
+
+namespace {
+
+// A scale vector of KVScales: empty, [num_kv_heads] or (attention: num_seqs >= 0)
+// [num_seqs * num_kv_heads]; with `positive`, every value finite and > 0.
+void require_scales(const std::vector<float>& v, const char* name, int num_kv_heads, int num_seqs,
+                    bool positive) {
+  if (v.empty()) return;
+  const size_t per_head = size_t(num_kv_heads);
+  const size_t per_seq = num_seqs >= 0 ? size_t(num_seqs) * per_head : per_head;
+  if (v.size() != per_head && v.size() != per_seq) {
+    if (num_seqs < 0) {
+      fail("scales.", name, " has ", v.size(), " values; write_kv takes none (per tensor) or ",
+           "num_kv_heads (", num_kv_heads, ")");
+    }
+    fail("scales.", name, " has ", v.size(), " values; expected none (per tensor), num_kv_heads (",
+         num_kv_heads, ") or num_seqs * num_kv_heads (", num_seqs, " * ", num_kv_heads, " = ",
+         per_seq, ")");
+  }
+  if (!positive) return;
+  for (size_t i = 0; i < v.size(); ++i) {
+    require(std::isfinite(v[i]) && v[i] > 0.0f, "scales.", name, "[", i, "] (", v[i],
+            ") must be finite and > 0");
+  }
 }
 
 }  // namespace
@@ -151,6 +179,10 @@ void check_forward_args(const AttentionConfig& cfg, const ForwardArgs& a, bool c
     require(std::isfinite(a.scales.q_scale) && a.scales.q_scale > 0.0f, "scales.q_scale (",
             a.scales.q_scale, ") must be finite and > 0: query_quant divides the query by it");
   }
+  const bool fp8 = is_fp8(cfg.kv_cache_dtype);
+  require_scales(a.scales.k_scales, "k_scales", cfg.num_kv_heads, md.num_seqs, fp8);
+  require_scales(a.scales.v_scales, "v_scales", cfg.num_kv_heads, md.num_seqs, fp8);
+  require_scales(a.scales.q_scales, "q_scales", cfg.num_kv_heads, md.num_seqs, cfg.query_quant);
   CacheGeometry geometry;
   if (uses_kv_cache(cfg.attn_type)) {
     require_cache(cfg, a.kv_cache, device);
@@ -188,6 +220,11 @@ void check_write_kv_args(const AttentionConfig& cfg, const WriteKVArgs& a, bool 
       require(std::isfinite(s) && s > 0.0f, name, " (", s, ") must be finite and > 0");
     }
   }
+  const bool fp8 = is_fp8(cfg.kv_cache_dtype);
+  require_scales(a.scales.k_scales, "k_scales", cfg.num_kv_heads, -1, fp8);
+  require_scales(a.scales.v_scales, "v_scales", cfg.num_kv_heads, -1, fp8);
+  require(a.scales.q_scales.empty(), "scales.q_scales has ", a.scales.q_scales.size(),
+          " values; write_kv takes no query scales");
   if (!check_slots || !a.slot_mapping.device.is_cpu()) return;  // device slots: see checked mode
   const int64_t capacity = a.kv_cache.num_blocks() * a.kv_cache.block_size();
   for (int64_t t = 0; t < num_slots; ++t) {

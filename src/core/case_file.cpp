@@ -115,10 +115,11 @@ Tensor int64_vector(const Tensor& t, std::string_view name) {
   return out;
 }
 
-std::vector<float> per_head_floats(const Tensor& t, std::string_view name, int num_heads) {
+std::vector<float> per_head_floats(const Tensor& t, std::string_view name, int num_heads,
+                                   std::string_view heads = "num_heads") {
   const TensorView& v = t.view();
   if (v.ndim != 1 || v.size(0) != num_heads || !is_floating(v.dtype) || is_fp8(v.dtype)) {
-    bad("tensor '", name, "' must be float32 [num_heads=", num_heads, "]; got ", desc(t));
+    bad("tensor '", name, "' must be float32 [", heads, "=", num_heads, "]; got ", desc(t));
   }
   std::vector<float> out(static_cast<size_t>(num_heads));
   for (int h = 0; h < num_heads; ++h) out[size_t(h)] = float(load_element(v.data, v.dtype, h));
@@ -223,7 +224,14 @@ std::string describe(const Case& c) {
   if (c.kv_cache.defined()) {
     s += cat(", kv_cache ", to_string(g.kv_cache_dtype), " ", desc(c.kv_cache));
     if (is_fp8(g.kv_cache_dtype)) {
-      s += cat(" (k_scale ", c.scales.k_scale, ", v_scale ", c.scales.v_scale, ")");
+      auto scales = [](const std::vector<float>& heads, float whole) {
+        if (heads.empty()) return cat(whole);
+        std::string list = "[";
+        for (size_t h = 0; h < heads.size(); ++h) list += cat(h ? ", " : "", heads[h]);
+        return list + "]";
+      };
+      s += cat(" (k_scale ", scales(c.scales.k_scales, c.scales.k_scale), ", v_scale ",
+               scales(c.scales.v_scales, c.scales.v_scale), ")");
     }
   }
   if (g.sliding_window) s += cat(", sliding_window ", *g.sliding_window);
@@ -298,8 +306,8 @@ Case case_from_safetensors(const SafeTensors& f) {
         bad("tensor 'kv_cache' must be [num_blocks, 2, block_size, num_kv_heads=", cfg.num_kv_heads,
             ", head_size=", cfg.head_size, "]; got ", desc(*kv));
       }
-      if (v.size(0) < 1 || v.size(2) < 1 || v.size(2) > std::numeric_limits<int>::max()) {
-        bad("tensor 'kv_cache' ", desc(*kv), " needs num_blocks >= 1 and block_size >= 1");
+      if (v.size(2) < 1 || v.size(2) > std::numeric_limits<int>::max()) {
+        bad("tensor 'kv_cache' ", desc(*kv), " needs block_size >= 1");
       }
       cfg.block_size = int(v.size(2));
       const DType want = kv_cache_storage_dtype(cfg.kv_cache_dtype, cfg.dtype);
@@ -363,6 +371,20 @@ Case case_from_safetensors(const SafeTensors& f) {
     cfg.alibi_slopes = per_head_floats(*a, "alibi_slopes", cfg.num_heads);
   }
   if (const Tensor* s = f.find("sinks")) cfg.sinks = per_head_floats(*s, "sinks", cfg.num_heads);
+  // Per-KV-head fp8 scales (absent = the k_scale / v_scale / q_scale floats).
+  for (auto [name, dst, used] :
+       {std::tuple{"k_scales", &c.scales.k_scales, is_fp8(cfg.kv_cache_dtype)},
+        {"v_scales", &c.scales.v_scales, is_fp8(cfg.kv_cache_dtype)},
+        {"q_scales", &c.scales.q_scales, cfg.query_quant}}) {
+    const Tensor* t = f.find(name);
+    if (!t) continue;
+    *dst = per_head_floats(*t, name, cfg.num_kv_heads, "num_kv_heads");
+    for (size_t h = 0; used && h < dst->size(); ++h) {
+      if (!(std::isfinite((*dst)[h]) && (*dst)[h] > 0.0f)) {
+        bad("tensor '", name, "' element ", h, " (", (*dst)[h], ") must be finite and > 0");
+      }
+    }
+  }
 
   if (c.num_actual_tokens() > c.num_tokens()) {
     bad("query_start_loc[num_seqs] (", c.num_actual_tokens(), ") exceeds the query's ",
@@ -413,6 +435,9 @@ SafeTensors case_to_safetensors(const Case& c) {
   };
   per_head("alibi_slopes", cfg.alibi_slopes);
   per_head("sinks", cfg.sinks);
+  per_head("k_scales", c.scales.k_scales);
+  per_head("v_scales", c.scales.v_scales);
+  per_head("q_scales", c.scales.q_scales);
 
   // Floats with 9 significant digits read back to the same float.
   auto num = [](double v) {

@@ -69,6 +69,13 @@ Case make_random_case(const CaseSpec& spec) {
   cfg.block_size = spec.block_size;
   cfg.query_quant = spec.query_quant;
   c.scales = spec.scales;
+  for (const auto& [v, name] : {std::pair{&c.scales.k_scales, "k_scales"},
+                                {&c.scales.v_scales, "v_scales"},
+                                {&c.scales.q_scales, "q_scales"}}) {
+    detail::require(v->empty() || v->size() == size_t(spec.num_kv_heads), "scales.", name, " has ",
+                    v->size(), " values; a case takes none or num_kv_heads (", spec.num_kv_heads,
+                    ")");
+  }
   std::mt19937_64 rng(spec.seed);
   if (spec.alibi) {
     std::uniform_real_distribution<float> slope(1.0f / 64, 0.25f);
@@ -152,8 +159,19 @@ Case make_random_case(const CaseSpec& spec) {
       for (int kv = 0; kv < 2; ++kv) {
         Tensor page = c.kv_cache;
         page.view() = c.kv_cache.view().select(0, b).select(0, kv);
-        const float scale = kv == 0 ? c.scales.k_scale : c.scales.v_scale;
-        fill_normal(page, rng, fp8 ? scale : 1.0);
+        if (!fp8 || !c.scales.per_head()) {
+          fill_normal(page, rng, fp8 ? (kv == 0 ? c.scales.k_scale : c.scales.v_scale) : 1.0);
+          continue;
+        }
+        // Per-head scales: element (o, h, d) of the contiguous page is x / scale of head h.
+        std::normal_distribution<double> normal(0.0, 1.0);
+        const TensorView& pv = page.view();
+        for (int64_t i = 0, n = pv.numel(); i < n; ++i) {
+          const int h = int((i / spec.head_size) % spec.num_kv_heads);
+          const float scale = kv == 0 ? c.scales.k_scale_of(0, h, spec.num_kv_heads)
+                                      : c.scales.v_scale_of(0, h, spec.num_kv_heads);
+          store_element(pv.data, pv.dtype, i, float(normal(rng)) / scale);
+        }
       }
     }
   }

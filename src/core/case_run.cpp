@@ -51,6 +51,7 @@ CaseResult run_case(const Case& c, const Backend& backend, const RunCaseOptions&
     write.slot_mapping = slot_mapping.view();
     write.kv_cache = cache_view;
     write.scales = c.scales;
+    write.scales.q_scales.clear();  // the query's: forward only
     check_write_kv_args(cfg, write);
   }
   ForwardArgs forward;

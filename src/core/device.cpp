@@ -58,6 +58,9 @@ class CpuRuntime final : public DeviceRuntime {
   void memset(void* dst, int byte, size_t bytes, int) override {
     if (bytes) std::memset(dst, byte, bytes);
   }
+  void memset_async(void* dst, int byte, size_t bytes, int, Stream) override {
+    if (bytes) std::memset(dst, byte, bytes);
+  }
   void copy_2d_async(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                      size_t row_bytes, size_t rows, int, Stream) override {
     for (size_t i = 0; i < rows && row_bytes > 0; ++i) {

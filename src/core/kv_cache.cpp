@@ -18,7 +18,7 @@ KVCacheView KVCacheView::from_combined(const TensorView& kv) {
 
 KVCache KVCache::allocate(int64_t num_blocks, int block_size, int num_kv_heads, int head_size,
                           DType dtype, KVCacheLayout layout, Device device) {
-  require(num_blocks > 0, "num_blocks (", num_blocks, ") must be > 0");
+  require(num_blocks >= 0, "num_blocks (", num_blocks, ") must be >= 0");
   require(block_size > 0, "block_size (", block_size, ") must be > 0");
   require(num_kv_heads > 0, "num_kv_heads (", num_kv_heads, ") must be > 0");
   require(head_size > 0, "head_size (", head_size, ") must be > 0");

@@ -92,6 +92,7 @@ Attention::Attention(ForwardContext& context, const AttentionOptions& options,
   const CacheConfig cache = options.cache_config.value_or(CacheConfig{});
   calculate_kv_scales_ = cache.calculate_kv_scales;
   has_checkpoint_scales_ = options.has_checkpoint_kv_scales;
+  per_head_scales_ = options.per_head_kv_scales;
   require(!(has_checkpoint_scales_ && config_.kv_cache_dtype == KVCacheDType::kFp8E5M2),
           "fp8_e5m2 kv-cache is not supported with fp8 checkpoints.");
 
@@ -195,6 +196,11 @@ void Attention::load_kv_scales(float q_scale, float k_scale, float v_scale) {
             ") must be finite and non-zero (negative means absent from the checkpoint)");
   }
   if (q_scale > 0.0f) calculate_kv_scales_ = false;  // a checkpoint q scale disables calibration
+  if (!calculate_kv_scales_ || config_.kv_cache_dtype == KVCacheDType::kAuto) {
+    q_scales_.clear();  // per-tensor scales replace per-head ones
+    k_scales_.clear();
+    v_scales_.clear();
+  }
   if (config_.kv_cache_dtype == KVCacheDType::kAuto) {
     q_scale_ = k_scale_ = v_scale_ = 1.0f;  // "auto" stores the model dtype: scales unused
     return;
@@ -223,6 +229,52 @@ void Attention::load_kv_scales(float q_scale, float k_scale, float v_scale) {
   }
 }
 
+void Attention::load_kv_scales(const std::vector<float>& q_scales,
+                               const std::vector<float>& k_scales,
+                               const std::vector<float>& v_scales) {
+  const int heads = config_.num_kv_heads;
+  for (const auto& [v, name] :
+       {std::pair{&q_scales, "q_scales"}, {&k_scales, "k_scales"}, {&v_scales, "v_scales"}}) {
+    require(v->empty() || v->size() == size_t(heads), name, " has ", v->size(),
+            " values; expected num_kv_heads (", heads, ") or none (absent from the checkpoint)");
+    for (size_t h = 0; h < v->size(); ++h) {
+      require(std::isfinite((*v)[h]) && (*v)[h] > 0.0f, name, "[", h, "] (", (*v)[h],
+              ") must be finite and > 0");
+    }
+  }
+  // The float rules (absent, one of k/v for both, q from k) applied per head.
+  load_kv_scales(q_scales.empty() ? -1.0f : 1.0f, k_scales.empty() ? -1.0f : 1.0f,
+                 v_scales.empty() ? -1.0f : 1.0f);
+  if (config_.kv_cache_dtype == KVCacheDType::kAuto || calculate_kv_scales_) return;
+  if (k_scales.empty() && v_scales.empty()) return;  // 1.0 per tensor, warned above
+  k_scales_ = k_scales.empty() ? v_scales : k_scales;
+  v_scales_ = v_scales.empty() ? k_scales : v_scales;
+  q_scales_ = q_scales.empty() ? k_scales_ : q_scales;
+  if (!warnings_.empty() && q_scales.empty()) {
+    warnings_.back() = cat("layer ", name_, ": no q_scales in the checkpoint; using k_scales");
+  }
+}
+
+CalibratedScales calc_kv_scales_per_head(const Backend& backend, const TensorView& q,
+                                         const TensorView& k, const TensorView& v) {
+  require(q.ndim == 3 && k.ndim == 3 && v.ndim == 3 && k.size(1) == v.size(1) && k.size(1) > 0 &&
+              q.size(1) % k.size(1) == 0,
+          "calc_kv_scales_per_head: query must be [T, num_heads, head_size] and key, value "
+          "[T, num_kv_heads, head_size] with num_kv_heads dividing num_heads; got ",
+          describe(q), ", ", describe(k), ", ", describe(v));
+  const int heads = int(k.size(1)), group = int(q.size(1)) / heads;
+  CalibratedScales s;
+  for (int h = 0; h < heads; ++h) {
+    const CalibratedScales one = calc_kv_scales(backend, q.slice(1, h * group, (h + 1) * group),
+                                                k.slice(1, h, h + 1), v.slice(1, h, h + 1));
+    s.all_zero = s.all_zero || one.all_zero;
+    s.q_scales.push_back(one.q_scale);
+    s.k_scales.push_back(one.k_scale);
+    s.v_scales.push_back(one.v_scale);
+  }
+  return s;
+}
+
 CalibratedScales calc_kv_scales(const Backend& backend, const TensorView& q, const TensorView& k,
                                 const TensorView& v) {
   const float qa = backend.amax(q), ka = backend.amax(k), va = backend.amax(v);
@@ -239,17 +291,21 @@ CalibratedScales calc_kv_scales(const Backend& backend, const TensorView& q, con
 }
 
 void Attention::calibrate_scales(const TensorView& q, const TensorView& k, const TensorView& v) {
-  const CalibratedScales s = calc_kv_scales(*backend_, q, k, v);
+  const CalibratedScales s = per_head_scales_ ? calc_kv_scales_per_head(*backend_, q, k, v)
+                                              : calc_kv_scales(*backend_, q, k, v);
   if (s.all_zero) return;  // an all-zero batch (e.g. padding): try the next one
   q_scale_ = s.q_scale;
   k_scale_ = s.k_scale;
   v_scale_ = s.v_scale;
+  q_scales_ = s.q_scales;
+  k_scales_ = s.k_scales;
+  v_scales_ = s.v_scales;
   calculate_kv_scales_ = false;
 }
 
 void Attention::forward(const TensorView& query_in, const TensorView& key_in,
                         const TensorView& value_in, const TensorView& output_in,
-                        const TensorView& lse) {
+                        const TensorView& lse, Stream stream) {
   const int hq = config_.num_heads, hk = config_.num_kv_heads, d = config_.head_size;
   const TensorView query = as_heads(query_in, "query", hq, d);
   const TensorView key = as_heads(key_in, "key", hk, d);
@@ -267,9 +323,13 @@ void Attention::forward(const TensorView& query_in, const TensorView& key_in,
   const AttentionMetadata* md = context_.metadata(group);
   if (md == nullptr) {  // profiling run: no writes, zero output (spec 2.9)
     require(output.is_contiguous(), "output must be contiguous in a profiling run");
-    require_device(output.device).memset(output.data, 0, output.nbytes(), output.device.index);
+    require_device(output.device)
+        .memset_async(output.data, 0, output.nbytes(), output.device.index, stream);
     return;
   }
+  // Calibration reads max |x| back to the host (a blocking reduction on the device's default
+  // stream): the scales are host floats passed by value to the kernels. It happens once, on
+  // the first real batch, so a captured step (after an eager one) never does it.
   if (calculate_kv_scales_ && key.defined()) calibrate_scales(query, key, value);
 
   const bool cached = uses_kv_cache(config_.attn_type);
@@ -288,7 +348,7 @@ void Attention::forward(const TensorView& query_in, const TensorView& key_in,
   if (connector) connector->wait_for_layer_load(name_);
   if (cached && !kv_sharing_target_ && key.defined()) {
     // Write first, then read: every key, the new ones included, comes from the cache.
-    WriteKVArgs w{key, value, md->slot_mapping, cache, kv_scales(), {}};
+    WriteKVArgs w{key, value, md->slot_mapping, cache, kv_scales(), stream};
     check_write_kv_args(config_, w, /*check_slots=*/false);
     impl_->write_kv(w);
   }
@@ -302,21 +362,28 @@ void Attention::forward(const TensorView& query_in, const TensorView& key_in,
   // The cache holds values stored with its owner's scales (a KV-sharing consumer reads them).
   f.scales = cache_owner().kv_scales();
   f.scales.q_scale = q_scale_;  // the query is this layer's own
+  f.scales.q_scales = q_scales_;
   f.metadata = md;
   f.output = output;
   f.lse = lse;
   f.plan = &context_.plan(group, *backend_, config_);
   f.workspace = context_.workspace(query.device, f.plan->workspace_bytes());
+  f.stream = stream;
   check_forward_args(config_, f, /*check_metadata=*/false);
   impl_->forward(f);
   if (connector) connector->save_kv_layer(name_, cache, *md, kv_scales());
 }
 
-Tensor Attention::forward(const TensorView& query, const TensorView& key, const TensorView& value) {
+Tensor Attention::forward(const TensorView& query, const TensorView& key, const TensorView& value,
+                          Stream stream) {
   const int64_t rows = query.defined() ? query.size(0) : 0;
-  Tensor out = Tensor::zeros({rows, int64_t(config_.num_heads) * config_.head_size}, query.dtype,
+  Tensor out = Tensor::empty({rows, int64_t(config_.num_heads) * config_.head_size}, query.dtype,
                              query.device);
-  forward(query, key, value, out.view());
+  // Zeroed on the stream, not with Tensor::zeros: that memset runs on the legacy default stream,
+  // which a non-blocking `stream` does not wait for (padding rows past T_a are never written).
+  const TensorView& o = out.view();
+  require_device(o.device).memset_async(o.data, 0, o.nbytes(), o.device.index, stream);
+  forward(query, key, value, out.view(), {}, stream);
   return out;
 }
 

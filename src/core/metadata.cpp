@@ -175,11 +175,10 @@ void validate_metadata(const AttentionMetadata& m, AttentionType attn_type,
             " < [", r, "] = ", begin);
     const int64_t q = end - begin, s = at_i32(sl, r);
     require(s >= 0, "metadata.seq_lens[", r, "] (", s, ") must be >= 0");
-    // Cross attention reads the encoder's s keys, however many decoder tokens ask: the query
-    // may be longer (its positions s - q + i then start below 0; only windows and ALiBi read
-    // them). Every other type needs the query among the keys.
-    require(s >= q || attn_type == AttentionType::kEncoderDecoder, "metadata.seq_lens[", r, "] (",
-            s, ") is shorter than the request's ", q, " query tokens");
+    // A query longer than its keys (s < q) is legal for the cached types, as FlashAttention's
+    // varlen call takes seqlen_q > seqlen_k: its positions s - q + i start below 0, and under
+    // the decoder's bottom-right causal mask a row at a negative position sees no key (output
+    // 0, LSE -inf). Cross attention reads the encoder's s keys however many tokens ask.
     if (!uses_kv_cache(attn_type)) {
       require(s == q, "metadata.seq_lens[", r, "] (", s, ") must equal the query length (", q,
               ") for ", to_string(attn_type), " attention, which has no cache");

@@ -191,11 +191,11 @@ void MultiHeadAttention::forward(const TensorView& query_in, const TensorView& k
 }
 
 Tensor MultiHeadAttention::forward(const TensorView& query, const TensorView& key,
-                                   const TensorView& value) {
+                                   const TensorView& value, Stream stream) {
   require(query.defined() && (query.ndim == 3 || query.ndim == 4), "query must be 3-D or 4-D");
   std::vector<int64_t> shape = query.shape_vector();
   Tensor out = Tensor::empty(shape, query.dtype, query.device);
-  forward(query, key, value, out.view());
+  forward(query, key, value, out.view(), stream);
   return out;
 }
 

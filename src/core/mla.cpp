@@ -144,7 +144,7 @@ void MLAAttention::set_k_scale(float k_scale) {
 }
 
 void MLAAttention::forward(const TensorView& q, const TensorView& kv_c, const TensorView& k_pe_in,
-                           const TensorView& output) {
+                           const TensorView& output, Stream stream) {
   const int n = options_.num_heads, p = options_.qk_nope_head_dim, r = options_.qk_rope_head_dim;
   const int v = options_.v_head_dim, l = options_.kv_lora_rank, e = l + r;
   require(q.defined() && q.ndim == 3 && q.size(1) == n && q.size(2) == p + r,
@@ -182,7 +182,7 @@ void MLAAttention::forward(const TensorView& q, const TensorView& kv_c, const Te
             describe(*t));
   }
   const AttentionMetadata* md = context_.metadata(0);
-  if (md == nullptr && on_device) return forward_on_device(q, kv_c, k_pe, md, output);
+  if (md == nullptr && on_device) return forward_on_device(q, kv_c, k_pe, md, output, stream);
   if (md == nullptr) {  // profiling run
     for (int64_t i = 0; i < t_in; ++i) {
       for (int64_t c = 0; c < output.size(1); ++c) {
@@ -206,7 +206,7 @@ void MLAAttention::forward(const TensorView& q, const TensorView& kv_c, const Te
       calibrate_ = false;
     }
   }
-  if (on_device) return forward_on_device(q, kv_c, k_pe, md, output);
+  if (on_device) return forward_on_device(q, kv_c, k_pe, md, output, stream);
   const DType act = config_.dtype;
   // 1. The step's latent entries [kv_c | k_pe] into the cache (one entry as K and V).
   Tensor latent = Tensor::empty({ta, 1, e}, act);
@@ -216,28 +216,28 @@ void MLAAttention::forward(const TensorView& q, const TensorView& kv_c, const Te
     }
   }
   const KVScales scales{k_scale_, k_scale_};
-  impl_->write_kv({latent.view(), latent.view(), md->slot_mapping, cache_, scales, {}});
+  impl_->write_kv({latent.view(), latent.view(), md->slot_mapping, cache_, scales, stream});
   // 2. Each request in its formulation: decodes absorbed, prefills expanded (spec 5.4).
   const detail::MLARequestSplit split =
       detail::split_mla_requests(*md, options_.formulation, options_.decode_threshold);
   if (split.prefills.empty()) {
-    forward_absorbed(q, *md, {}, context_.plan(0, *backend_, config_), output);
+    forward_absorbed(q, *md, {}, context_.plan(0, *backend_, config_), output, stream);
     return;
   }
   if (!split.decodes.empty()) {
     std::vector<int64_t> rows;
     const StepMetadata sub = detail::subset_metadata(*md, split.decodes, rows);
     const auto plan = backend_->plan(sub.view(), config_);
-    forward_absorbed(q, sub.view(), rows, *plan, output);
+    forward_absorbed(q, sub.view(), rows, *plan, output, stream);
   }
   if (!prefill_) prefill_ = std::make_unique<detail::MLAPrefill>(options_, *backend_);
   prefill_->forward(q, kv_c, k_pe, *md, split.prefills, cache_, k_scale_,
-                    detail::MLAWeights{w_uk_.data(), w_uv_.data()}, context_, output);
+                    detail::MLAWeights{w_uk_.data(), w_uv_.data()}, context_, output, stream);
 }
 
 void MLAAttention::forward_absorbed(const TensorView& q, const AttentionMetadata& md,
                                     const std::vector<int64_t>& rows, const Plan& plan,
-                                    const TensorView& output) {
+                                    const TensorView& output, Stream stream) {
   const int n = options_.num_heads, p = options_.qk_nope_head_dim, r = options_.qk_rope_head_dim;
   const int v = options_.v_head_dim, l = options_.kv_lora_rank, e = l + r;
   const DType act = config_.dtype;
@@ -271,6 +271,7 @@ void MLAAttention::forward_absorbed(const TensorView& q, const AttentionMetadata
   f.output = o_lat.view();
   f.plan = &plan;
   f.workspace = context_.workspace(Device::cpu(), plan.workspace_bytes());
+  f.stream = stream;
   check_forward_args(config_, f, /*check_metadata=*/false);
   impl_->forward(f);
   // Up-projection of the latent output's first L columns by W_UV.

@@ -43,7 +43,7 @@ size_t aligned_up(size_t bytes) {
 
 void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c,
                                      const TensorView& k_pe, const AttentionMetadata* md,
-                                     const TensorView& output) {
+                                     const TensorView& output, Stream stream) {
   for (const TensorView* t : {&kv_c, &k_pe, &output}) {
     require(t->device == q.device, "MLAAttention: q, kv_c_normed, k_pe and output must be on one ",
             "device; q is on ", to_string(q.device), ", got ", describe(*t));
@@ -53,7 +53,7 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
                         "(MLAOptions::device is ", to_string(options_.device), ")");
   const MLADeviceOps& ops = detail::mla_device_ops_for(*backend_, q);
   if (md == nullptr) {  // profiling run
-    ops.zero_rows(output, stream_);
+    ops.zero_rows(output, stream);
     return;
   }
   require(!w_uk_t_.empty(), "load_kv_b_proj() must be called before forward()");
@@ -81,7 +81,7 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
   const DType act = config_.dtype;
   const int64_t ta = md->num_actual_tokens;
   if (!split.prefills.empty()) {
-    forward_split_on_device(q, kv_c, k_pe, *md, split.decodes, split.prefills, output);
+    forward_split_on_device(q, kv_c, k_pe, *md, split.decodes, split.prefills, output, stream);
     return;
   }
   const Plan& plan = context_.plan(0, *backend_, config_);
@@ -100,12 +100,12 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
   const TensorView o_lat = carve(plan_bytes + latent_bytes + heads_bytes, {ta, n, l});
   // 1. The step's latent entries [kv_c | k_pe] (rounded to the activation dtype, as the host
   // path does) into the cache, one entry as K and V.
-  ops.build_latent(kv_c, k_pe, latent, stream_);
+  ops.build_latent(kv_c, k_pe, latent, stream);
   const KVScales scales{k_scale_, k_scale_};
-  impl_->write_kv({latent, latent, md->slot_mapping, cache_, scales, stream_});
+  impl_->write_kv({latent, latent, md->slot_mapping, cache_, scales, stream});
   // 2. The absorbed query [q_nope W_UK^T | q_pe].
   ops.absorb_query(q, static_cast<const float*>(device_weights_->w_uk_t.data()), p, q_lat, nullptr,
-                   stream_);
+                   stream);
   // 3. MQA over the latent cache.
   ForwardArgs f;
   f.query = q_lat;
@@ -115,19 +115,19 @@ void MLAAttention::forward_on_device(const TensorView& q, const TensorView& kv_c
   f.output = o_lat;
   f.plan = &plan;
   f.workspace = Workspace{ws.data, plan.workspace_bytes()};
-  f.stream = stream_;
+  f.stream = stream;
   check_forward_args(config_, f, /*check_metadata=*/false);
   impl_->forward(f);
   // 4. The up-projection of o_lat by W_UV.
   ops.up_project(o_lat, static_cast<const float*>(device_weights_->w_uv.data()), l, v, ta, output,
-                 nullptr, stream_);
+                 nullptr, stream);
 }
 
 void MLAAttention::forward_split_on_device(const TensorView& q, const TensorView& kv_c,
                                            const TensorView& k_pe, const AttentionMetadata& md,
                                            const std::vector<int>& decodes,
                                            const std::vector<int>& prefills,
-                                           const TensorView& output) {
+                                           const TensorView& output, Stream stream) {
   const MLADeviceOps& ops = detail::mla_device_ops_for(*backend_, q);
   const int n = options_.num_heads, p = options_.qk_nope_head_dim;
   const int v = options_.v_head_dim, l = options_.kv_lora_rank, e = config_.head_size;
@@ -138,10 +138,10 @@ void MLAAttention::forward_split_on_device(const TensorView& q, const TensorView
   const int64_t ta = md.num_actual_tokens;
   {
     Tensor latent = Tensor::empty({ta, 1, e}, act, dev);  // [Ta, 1, E]
-    ops.build_latent(kv_c, k_pe, latent.view(), stream_);
+    ops.build_latent(kv_c, k_pe, latent.view(), stream);
     const KVScales scales{k_scale_, k_scale_};
-    impl_->write_kv({latent.view(), latent.view(), md.slot_mapping, cache_, scales, stream_});
-    runtime.synchronize_stream(dev.index, stream_);  // before `latent` is freed
+    impl_->write_kv({latent.view(), latent.view(), md.slot_mapping, cache_, scales, stream});
+    runtime.synchronize_stream(dev.index, stream);  // before `latent` is freed
   }
   // 2. The decode requests absorbed, over metadata of their own: the host mirrors give the
   // rows and lengths, the block-table rows are copied on the device.
@@ -176,7 +176,7 @@ void MLAAttention::forward_split_on_device(const TensorView& q, const TensorView
       runtime.copy_2d_async(
           static_cast<int32_t*>(dsub.block_table.data) + i * size_t(m), row_bytes,
           static_cast<const int32_t*>(bt.data) + int64_t(decodes[i]) * bt.stride(0), row_bytes,
-          row_bytes, 1, dev.index, stream_);
+          row_bytes, 1, dev.index, stream);
     }
     const int64_t nr = int64_t(rows.size());
     const Tensor rows_dev =
@@ -185,7 +185,7 @@ void MLAAttention::forward_split_on_device(const TensorView& q, const TensorView
     Tensor q_lat = Tensor::empty({nr, n, e}, act, dev);  // [nr, N, E]
     Tensor o_lat = Tensor::empty({nr, n, l}, act, dev);  // [nr, N, L]: the latent columns
     ops.absorb_query(q, static_cast<const float*>(device_weights_->w_uk_t.data()), p, q_lat.view(),
-                     row_ids, stream_);
+                     row_ids, stream);
     const auto plan = backend_->plan(dsub, config_);
     const Workspace ws = context_.workspace(dev, plan->workspace_bytes());
     ForwardArgs f;
@@ -196,12 +196,12 @@ void MLAAttention::forward_split_on_device(const TensorView& q, const TensorView
     f.output = o_lat.view();
     f.plan = plan.get();
     f.workspace = Workspace{ws.data, plan->workspace_bytes()};
-    f.stream = stream_;
+    f.stream = stream;
     check_forward_args(config_, f, /*check_metadata=*/false);
     impl_->forward(f);
     ops.up_project(o_lat.view(), static_cast<const float*>(device_weights_->w_uv.data()), l, v, nr,
-                   output, row_ids, stream_);
-    runtime.synchronize_stream(dev.index, stream_);  // before the buffers above are freed
+                   output, row_ids, stream);
+    runtime.synchronize_stream(dev.index, stream);  // before the buffers above are freed
   }
   // 3. The prefill requests expanded (spec 5.4).
   if (!prefill_) prefill_ = std::make_unique<detail::MLAPrefill>(options_, *backend_);
@@ -209,8 +209,8 @@ void MLAAttention::forward_split_on_device(const TensorView& q, const TensorView
       q, kv_c, k_pe, md, prefills, cache_, k_scale_,
       detail::MLADeviceWeightsView{static_cast<const float*>(device_weights_->w_uk.data()),
                                    static_cast<const float*>(device_weights_->w_uv.data())},
-      context_, output, stream_);
-  runtime.synchronize_stream(dev.index, stream_);  // the prefill's buffers are freed on return
+      context_, output, stream);
+  runtime.synchronize_stream(dev.index, stream);  // the prefill's buffers are freed on return
 }
 
 }  // namespace pagedattn

@@ -265,7 +265,7 @@ void MLAPrefill::attend(const AttentionConfig& config, AttentionImpl& impl, Step
 void MLAPrefill::forward(const TensorView& q, const TensorView& kv_c, const TensorView& k_pe,
                          const AttentionMetadata& md, const std::vector<int>& requests,
                          const KVCacheView& cache, float k_scale, const MLAWeights& w,
-                         ForwardContext& context, const TensorView& output) {
+                         ForwardContext& context, const TensorView& output, Stream stream) {
   const MLAOptions& o = options_;
   const int n = o.num_heads, p = o.qk_nope_head_dim, r = o.qk_rope_head_dim;
   const int vd = o.v_head_dim, l = o.kv_lora_rank, e = l + r, d = p + r;
@@ -314,7 +314,7 @@ void MLAPrefill::forward(const TensorView& q, const TensorView& kv_c, const Tens
   Tensor result_lse = Tensor::empty({n, tp}, DType::kF32);
   StepMetadata causal_md = one_token_block_step(reqs, key_begin, key_len, true);
   attend(causal_config_, *causal_impl_, causal_md, query.view(), k_new.view(), v_new.view(),
-         context, result.view(), result_lse.view(), {});
+         context, result.view(), result_lse.view(), stream);
 
   if (plan.with_context > 0) {
     // The cached context in chunks of at most context_chunk_tokens latent entries (the
@@ -338,21 +338,16 @@ void MLAPrefill::forward(const TensorView& q, const TensorView& kv_c, const Tens
       StepMetadata chunk_md = one_token_block_step(reqs, key_begin, key_len, false);
       attend(context_config_, *context_impl_, chunk_md, query.view(), k_ctx.view(), v_ctx.view(),
              context, first ? acc.view() : part.view(), first ? acc_lse.view() : part_lse.view(),
-             {});
+             stream);
       if (!first) {  // left to right, as vLLM merges its chunks
-        backend_->merge_states({acc.view(),
-                                acc_lse.view(),
-                                part.view(),
-                                part_lse.view(),
-                                merged.view(),
-                                merged_lse.view(),
-                                {}});
+        backend_->merge_states({acc.view(), acc_lse.view(), part.view(), part_lse.view(),
+                                merged.view(), merged_lse.view(), stream});
         std::swap(acc, merged);
         std::swap(acc_lse, merged_lse);
       }
     }
     backend_->merge_states(
-        {acc.view(), acc_lse.view(), result.view(), result_lse.view(), merged.view(), {}, {}});
+        {acc.view(), acc_lse.view(), result.view(), result_lse.view(), merged.view(), {}, stream});
     std::swap(result, merged);
   }
 

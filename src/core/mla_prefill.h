@@ -86,11 +86,11 @@ class MLAPrefill {
   /// Writes output rows [T, N * V] of the prefill `requests` of `md`. q [T, N, P + R],
   /// kv_c [T, L], k_pe [T, R]; `cache` the latent cache ([num_blocks, block_size, 1, L + R]),
   /// already holding the step's entries (only the context, positions < seq_len - query_len,
-  /// is read from it).
+  /// is read from it). `stream` goes to the backend's calls (host tensors: unused).
   void forward(const TensorView& q, const TensorView& kv_c, const TensorView& k_pe,
                const AttentionMetadata& md, const std::vector<int>& requests,
                const KVCacheView& cache, float k_scale, const MLAWeights& weights,
-               ForwardContext& context, const TensorView& output);
+               ForwardContext& context, const TensorView& output, Stream stream);
 
   /// The same on device tensors (mla_prefill_device.cpp), every step enqueued on `stream`: the
   /// gathers, expansions and output rows by the backend's MLADeviceOps, the attention and

@@ -77,6 +77,10 @@ AttentionParams make_params(const AttentionConfig& c, const ForwardArgs& a) {
     if (is_fp8(c.kv_cache_dtype)) {
       p.k_scale = a.scales.k_scale;
       p.v_scale = a.scales.v_scale;
+      if (!a.scales.k_scales.empty() || !a.scales.v_scales.empty()) {
+        p.k_scale = p.v_scale = 1.0f;  // head_scales carries both, per-tensor ones included
+        p.head_scales = &a.scales;
+      }
     }
   } else {
     p.k = a.key.data;
@@ -131,8 +135,10 @@ class CpuImpl final : public AttentionImpl {
         char* vd = static_cast<char*>(c.value.data) +
                    cache_elem * size_t(block * c.value.stride(0) + offset * c.value.stride(1) +
                                        h * c.value.stride(2));
-        convert_row(ks, a.key.dtype, kd, c.key.dtype, d, fp8 ? a.scales.k_scale : 1.0f);
-        convert_row(vs, a.value.dtype, vd, c.value.dtype, d, fp8 ? a.scales.v_scale : 1.0f);
+        convert_row(ks, a.key.dtype, kd, c.key.dtype, d,
+                    fp8 ? a.scales.k_scale_of(0, h, heads) : 1.0f);
+        convert_row(vs, a.value.dtype, vd, c.value.dtype, d,
+                    fp8 ? a.scales.v_scale_of(0, h, heads) : 1.0f);
       }
     }
   }

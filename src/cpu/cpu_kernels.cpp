@@ -706,15 +706,20 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
   // Queries, scaled so that q.k comes out in base-2 logit units (or scale units under a cap).
   const float qscale = (p.soft_cap > 0.0f ? p.scale : p.scale * kLog2e) * p.k_scale;
   const bool with_sink = p.sinks && w.include_sink;
+  // Per-head k scales fold into each query row (so scores need no per-head factor).
+  auto k_scale_of = [&](int head) {
+    return p.head_scales ? p.head_scales->k_scale_of(r, head / group, p.num_kv_heads) : 1.0f;
+  };
   for (int row = 0; row < rows; ++row) {
     const int head = map.head(row);
+    const float row_qscale = qscale * k_scale_of(head);
     const int64_t token = q0 + w.q_begin + map.token(row);
     const char* qp =
         static_cast<const char*>(p.q) +
         dtype_size(p.q_dtype) * size_t(token * p.q_stride_token + head * p.q_stride_head);
     VisitFloatType(p.q_dtype, [&](auto* tag) {
       using Q = std::remove_pointer_t<decltype(tag)>;
-      ToFloat(reinterpret_cast<const Q*>(qp), q + row * d_size, d_size, qscale);
+      ToFloat(reinterpret_cast<const Q*>(qp), q + row * d_size, d_size, row_qscale);
     });
     std::fill(o + row * d_size, o + (row + 1) * d_size, 0.0f);
     // A sink starts the running max and contributes exp2(sink - max) to the sum.
@@ -731,7 +736,8 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
   // kernels where the CPU has them, decode and prefill alike; qscale is applied to their scores.
   bool use_bf16 = false;
 #if HWY_TARGET == HWY_AVX3
-  use_bf16 = kBf16Exact<KV> && p.q_dtype == DType::kBF16 && bf16::enabled();
+  // The pair-dot kernels scale whole chunks by one qscale: per-head scales take the float path.
+  use_bf16 = kBf16Exact<KV> && p.q_dtype == DType::kBF16 && bf16::enabled() && !p.head_scales;
 #endif
   const bool few_rows = per_head <= 8;
   if (use_bf16) {
@@ -829,7 +835,10 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
   // Normalise and store: the final output, or this split's partial result.
   for (int row = 0; row < rows; ++row) {
     const float l = sc.row_sum[size_t(row)];
-    const float inv = l > 0.0f ? p.v_scale / l : 0.0f;
+    const float v_scale = p.head_scales
+                              ? p.head_scales->v_scale_of(r, map.head(row) / group, p.num_kv_heads)
+                              : p.v_scale;
+    const float inv = l > 0.0f ? v_scale / l : 0.0f;
     const float lse = l > 0.0f ? (sc.row_max[size_t(row)] + std::log2(l)) * kLn2 : kNegInf;
     float* orow = o + row * d_size;
     for (int d = 0; d < d_size; d += int(hn::Lanes(df))) {

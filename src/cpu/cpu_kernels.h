@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "pagedattn/dtype.h"
+#include "pagedattn/kv_cache.h"
 
 namespace pagedattn::cpu {
 
@@ -50,6 +51,8 @@ struct AttentionParams {
   int window_left = -1;                  // keys j < pos - window_left are masked; -1 = unbounded
   int window_right = -1;                 // keys j > pos + window_right are masked; -1 = unbounded
   float k_scale = 1.0f, v_scale = 1.0f;  // fp8 caches; 1 otherwise
+  // fp8 caches with per-head scales (they replace k_scale / v_scale), else null.
+  const KVScales* head_scales = nullptr;
 };
 
 /// One unit of parallel work: query tokens [q_begin, q_end) of a request (relative to its first

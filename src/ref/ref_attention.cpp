@@ -88,7 +88,9 @@ HeadKV gather_from_cache(const ForwardArgs& a, const AttentionConfig& cfg, int r
   const KVCacheView& c = a.kv_cache;
   const TensorView& bt = a.metadata->block_table;
   const bool fp8 = is_fp8(cfg.kv_cache_dtype);
-  const double ks = fp8 ? a.scales.k_scale : 1.0, vs = fp8 ? a.scales.v_scale : 1.0;
+  const int kv_heads = cfg.num_kv_heads;
+  const double ks = fp8 ? a.scales.k_scale_of(r, kv_head, kv_heads) : 1.0;
+  const double vs = fp8 ? a.scales.v_scale_of(r, kv_head, kv_heads) : 1.0;
   const int bs = c.block_size();
   HeadKV kv{len, cfg.head_size, {}, {}};
   kv.k.resize(size_t(len * cfg.head_size));
@@ -222,11 +224,12 @@ void attention(const AttentionConfig& cfg, const ForwardArgs& a, Precision preci
     for (int kv_head = 0; kv_head < cfg.num_kv_heads; ++kv_head) {
       const HeadKV kv = from_cache ? gather_from_cache(a, cfg, r, kv_head, seq_len)
                                    : gather_from_inputs(a, cfg, q_begin, kv_head, seq_len);
+      const float q_scale = a.scales.q_scale_of(r, kv_head, cfg.num_kv_heads);
       for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
         for (int64_t i = 0; i < q_len; ++i) {
           const int64_t t = q_begin + i;
           for (int d = 0; d < cfg.head_size; ++d) {
-            q[size_t(d)] = cfg.query_quant ? quantised_query(at(a.query, t, h, d), a.scales.q_scale)
+            q[size_t(d)] = cfg.query_quant ? quantised_query(at(a.query, t, h, d), q_scale)
                                            : at(a.query, t, h, d);
           }
           const RowResult row = precision == Precision::kFloat64

@@ -29,8 +29,8 @@ void write_kv(const AttentionConfig& config, const WriteKVArgs& a) {
             load_element(a.value.data, a.value.dtype,
                          t * a.value.stride(0) + h * a.value.stride(1) + d * a.value.stride(2)));
         if (fp8) {
-          k /= a.scales.k_scale;
-          v /= a.scales.v_scale;
+          k /= a.scales.k_scale_of(0, h, c.num_kv_heads());
+          v /= a.scales.v_scale_of(0, h, c.num_kv_heads());
         }
         const int64_t ko = block * c.key.stride(0) + offset * c.key.stride(1) +
                            h * c.key.stride(2) + d * c.key.stride(3);

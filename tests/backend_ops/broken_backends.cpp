@@ -44,12 +44,27 @@ AttentionConfig mutated(AttentionConfig c, Bug bug) {
   return c;
 }
 
+// Scales as a backend that reads element 0 of each per-head vector would use them.
+KVScales head_zero(KVScales s) {
+  for (auto [v, whole] :
+       {std::pair{&s.k_scales, &s.k_scale}, {&s.v_scales, &s.v_scale}, {&s.q_scales, &s.q_scale}}) {
+    if (!v->empty()) *whole = v->front();
+    v->clear();
+  }
+  return s;
+}
+
 class BrokenImpl final : public AttentionImpl {
  public:
   BrokenImpl(const AttentionConfig& config, Bug bug, const Backend& ref)
       : bug_(bug), inner_(ref.make_impl(mutated(config, bug), Device::cpu())) {}
 
   void write_kv(const WriteKVArgs& args) override {
+    if (bug_ == Bug::kHeadZeroScales) {
+      WriteKVArgs w = args;
+      w.scales = head_zero(args.scales);
+      return inner_->write_kv(w);
+    }
     if (bug_ != Bug::kWritesNextSlot) return inner_->write_kv(args);
     const int64_t capacity = args.kv_cache.num_blocks() * args.kv_cache.block_size();
     std::vector<int64_t> shifted(size_t(args.slot_mapping.size(0)));
@@ -65,6 +80,7 @@ class BrokenImpl final : public AttentionImpl {
   void forward(const ForwardArgs& args) override {
     ForwardArgs f = args;
     if (bug_ == Bug::kIgnoresFp8Scales) f.scales = {};
+    if (bug_ == Bug::kHeadZeroScales) f.scales = head_zero(f.scales);
     if (bug_ == Bug::kWrongGqaMapping) {
       f.query = reversed(f.query, 1);
       f.output = reversed(f.output, 1);
@@ -115,10 +131,10 @@ class BrokenBackend final : public Backend {
 }  // namespace
 
 std::vector<Bug> all_bugs() {
-  return {Bug::kIgnoresCausalMask, Bug::kWindowOffByOne,    Bug::kIgnoresSoftCap,
-          Bug::kAlibiSignFlipped,  Bug::kIgnoresSinks,      Bug::kScaleOffByTwoPercent,
-          Bug::kIgnoresFp8Scales,  Bug::kWrongGqaMapping,   Bug::kWritesNextSlot,
-          Bug::kSkipsLastRow,      Bug::kLseOffByOnePercent};
+  return {Bug::kIgnoresCausalMask, Bug::kWindowOffByOne,     Bug::kIgnoresSoftCap,
+          Bug::kAlibiSignFlipped,  Bug::kIgnoresSinks,       Bug::kScaleOffByTwoPercent,
+          Bug::kIgnoresFp8Scales,  Bug::kWrongGqaMapping,    Bug::kWritesNextSlot,
+          Bug::kSkipsLastRow,      Bug::kLseOffByOnePercent, Bug::kHeadZeroScales};
 }
 
 std::string bug_name(Bug bug) {
@@ -145,6 +161,8 @@ std::string bug_name(Bug bug) {
       return "skip_last_row";
     case Bug::kLseOffByOnePercent:
       return "lse_1pct";
+    case Bug::kHeadZeroScales:
+      return "head_zero_scales";
   }
   return "unknown";
 }

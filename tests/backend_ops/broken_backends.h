@@ -22,6 +22,7 @@ enum class Bug {
   kWritesNextSlot,    ///< write_kv stores every token one slot too far
   kSkipsLastRow,      ///< leaves the last real token's output unwritten
   kLseOffByOnePercent,
+  kHeadZeroScales,  ///< per-head scales: every head (and sequence) uses element 0
 };
 
 std::vector<Bug> all_bugs();

@@ -79,7 +79,31 @@ class Matrix {
   std::vector<OpCase> cases_;
 };
 
+// Per-head scales whose values differ strongly from head to head (and sequence to sequence):
+// a backend that reads one value for all (element 0, say) fails.
+std::vector<float> spread_scales(int n, float lo, float hi) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    // Geometric from lo to hi, alternating ends so that neighbours differ most.
+    const int j = i % 2 == 0 ? i / 2 : n - 1 - i / 2;
+    v[size_t(i)] = n == 1 ? lo : lo * std::pow(hi / lo, float(j) / float(n - 1));
+  }
+  return v;
+}
+
 }  // namespace
+
+KVScales write_scales(const OpCase& k) {
+  KVScales s{k.k_scale, k.v_scale, k.q_scale, {}, {}, {}};
+  const size_t heads = size_t(k.config.num_kv_heads);
+  if (k.k_scales.size() == heads) s.k_scales = k.k_scales;
+  if (k.v_scales.size() == heads) s.v_scales = k.v_scales;
+  return s;
+}
+
+KVScales forward_scales(const OpCase& k) {
+  return {k.k_scale, k.v_scale, k.q_scale, k.k_scales, k.v_scales, k.q_scales};
+}
 
 std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
   Matrix m(seed_base);
@@ -419,6 +443,80 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
     c.num_kv_heads = 4;
     c.scale = 0;
     m.add("heads", c, mixed_batch(), 1);
+  }
+  // FlashAttention's edge cases: requests with no keys (output 0, LSE -inf), a decoder query
+  // longer than its keys under the bottom-right causal mask (its first rows see no key), with a
+  // window, sinks, the soft cap, ALiBi and an fp8 cache composed on it, and empty batches.
+  {
+    auto keys = [](int query_len, int seq_len) {
+      RequestShape r{0, query_len};
+      r.seq_len = seq_len;
+      return r;
+    };
+    AttentionConfig c = base;
+    m.add("no_keys", c, {{20, 2}, keys(3, 0), {0, 5}}, 1);
+    m.add("q_longer", c, {{0, 37}, keys(9, 4), {45, 1}, keys(40, 17)});
+    c.sliding_window = 3;
+    m.add("q_longer", c, {keys(9, 4), keys(2, 0), {30, 2}});
+    c.sliding_window.reset();
+    c.sinks = {-2.0f, -1.0f, 0.0f, 0.5f, 1.0f, 2.0f, 3.0f, 6.0f};
+    m.add("q_longer", c, {keys(9, 4), keys(2, 0), {30, 2}});
+    c.sinks.clear();
+    c.logits_soft_cap = 30.0f;
+    c.alibi_slopes = alibi_slopes(c.num_heads);
+    m.add("q_longer", c, {keys(9, 4), keys(2, 0), {30, 2}});
+    c = base;
+    c.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+    m.add("q_longer", c, {keys(9, 4), keys(2, 0), {30, 2}});
+    m.add("empty", base, {});
+    AttentionConfig cross = base;
+    cross.attn_type = AttentionType::kEncoderDecoder;
+    m.add("no_keys", cross, {{0, 2, 0, 0, false}, {0, 3, 0, 20, false}});
+    m.add("empty", cross, {});
+    AttentionConfig enc = base;
+    enc.attn_type = AttentionType::kEncoder;
+    m.add("empty", enc, {});
+  }
+  // Per-head fp8 scales (vLLM's per-head cache quantisation, FlashAttention 3's [batch, kv_heads]
+  // descales), differing by 8x and more between heads: GQA with [num_kv_heads] scales through
+  // write_kv and forward, MQA with [num_seqs * num_kv_heads] descales (one head: only sequences
+  // can differ), decode, prefill and mixed steps, both fp8 formats. Last, as above.
+  {
+    const std::vector<std::pair<std::string, std::vector<RequestShape>>> steps = {
+        {"decode", {{45, 1}, {700, 1}, {20, 1}}},
+        {"prefill", {{0, 150}, {30, 60}}},
+        {"mixed", mixed_batch()}};
+    for (KVCacheDType kv : {KVCacheDType::kFp8E4M3, KVCacheDType::kFp8E5M2}) {
+      for (int kv_heads : {4, 1}) {
+        for (const auto& [step_name, step] : steps) {
+          AttentionConfig c = base;
+          c.kv_cache_dtype = kv;
+          c.num_kv_heads = kv_heads;
+          c.head_size = 128;
+          c.scale = 0;
+          m.add("head_scales", c, step, 1);
+          OpCase& k = m.last();
+          const int seqs = int(step.size());
+          const int n = kv_heads == 1 ? seqs : kv_heads;
+          k.k_scales = spread_scales(n, 0.25f, 3.0f);
+          k.v_scales = spread_scales(n, 4.0f, 0.3f);
+          k.name += (kv_heads == 1 ? " scales=[seq,kv_head] " : " scales=[kv_head] ") + step_name;
+        }
+      }
+    }
+    // query_quant with a q scale per KV head (and k/v per head).
+    AttentionConfig c = base;
+    c.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+    c.query_quant = true;
+    c.num_kv_heads = 4;
+    c.head_size = 128;
+    c.scale = 0;
+    m.add("head_scales", c, mixed_batch(), 1);
+    OpCase& k = m.last();
+    k.k_scales = spread_scales(4, 0.25f, 3.0f);
+    k.v_scales = spread_scales(4, 4.0f, 0.3f);
+    k.q_scales = spread_scales(4, 0.01f, 0.04f);
+    k.name += " scales=[kv_head]";
   }
   return m.take();
 }

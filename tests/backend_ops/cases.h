@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "pagedattn/config.h"
+#include "pagedattn/kv_cache.h"
 
 namespace pagedattn::backend_ops {
 
@@ -19,6 +20,9 @@ struct RequestShape {
   int share_prefix_blocks = 0;  ///< reuse the first N physical blocks of the previous request
   int encoder_len = 0;
   bool encoder_runs = false;
+  /// Decoders only, with context_len 0: keys when fewer than query_len (FlashAttention's
+  /// seqlen_q > seqlen_k; the first query_len - seq_len rows see no key); -1: context + query.
+  int seq_len = -1;
 };
 
 struct OpCase {
@@ -27,7 +31,10 @@ struct OpCase {
   std::vector<RequestShape> requests;
   int pad_tokens = 0;  ///< extra query rows with slot -1 (CUDA-graph padding)
   float k_scale = 1.0f, v_scale = 1.0f;
-  float q_scale = 1.0f;    ///< config.query_quant only
+  float q_scale = 1.0f;  ///< config.query_quant only
+  /// Per-head scales (KVScales' vectors): [num_kv_heads] serve write_kv and forward;
+  /// [num_seqs * num_kv_heads] serve forward only (write_kv then takes k_scale / v_scale).
+  std::vector<float> k_scales, v_scales, q_scales;
   float input_std = 1.0f;  ///< standard deviation of the random inputs
   /// The query's and the keys' where they differ (0: input_std): magnitudes that a 16-bit path
   /// must carry, e.g. a bf16 query beyond f16's range against small keys with a small k_scale.
@@ -40,6 +47,10 @@ struct OpCase {
   int out_cols = 0;
   uint32_t seed = 0;
 };
+
+/// The scales write_kv and forward take for case `k`.
+KVScales write_scales(const OpCase& k);
+KVScales forward_scales(const OpCase& k);
 
 /// The full matrix (a few hundred cases), deterministic in its shapes; inputs are drawn fresh
 /// per case from `seed_base` + case index.

@@ -99,6 +99,23 @@ CaseData make_case_data(const OpCase& k) {
   data.num_query_rows = num_tokens + k.pad_tokens;
   builder.pad_slots_to(int(data.num_query_rows));
   data.step = builder.build();
+  if (!cross && cached) {
+    // A query longer than its keys: its last seq_len rows are positions 0.. (written where the
+    // builder put rows 0..), the rows before them sit at negative positions and write nothing.
+    int64_t t0 = 0;
+    for (size_t r = 0; r < k.requests.size(); ++r) {
+      const RequestShape& rq = k.requests[r];
+      if (rq.seq_len >= 0) {
+        const int64_t shift = rq.query_len - rq.seq_len;
+        for (int64_t i = rq.query_len - 1; i >= 0; --i) {
+          data.step.slot_mapping[size_t(t0 + i)] =
+              i < shift ? -1 : data.step.slot_mapping[size_t(t0 + i - shift)];
+        }
+        data.step.seq_lens[r] = rq.seq_len;
+      }
+      t0 += rq.query_len;
+    }
+  }
   if (cross) {
     data.step.slot_mapping = cross_slots;
     data.step.max_seq_len = 0;
@@ -143,7 +160,7 @@ KVCacheView cache_view_of(const Tensor& storage, KVCacheLayout layout, bool late
 RunOutputs run_on(const Backend& backend, const OpCase& k, CaseData& data, const Tensor& cache0,
                   DType out_dtype, DType lse_dtype, Device device, int repeats) {
   const AttentionConfig& c = k.config;
-  const KVScales scales{k.k_scale, k.v_scale, k.q_scale};
+  const KVScales scales = forward_scales(k);
   auto impl = backend.make_impl(c, device);
   StepMetadata& step = data.step;
   const AttentionMetadata md = step.to_device(device);
@@ -164,7 +181,7 @@ RunOutputs run_on(const Backend& backend, const OpCase& k, CaseData& data, const
     copy_tensor(cache.view(), cache0.view());
     cache_view = cache_view_of(cache, c.kv_cache_layout, k.latent);
     if (md.num_slots() > 0) {
-      WriteKVArgs w{key.view(), value.view(), md.slot_mapping, cache_view, scales, {}};
+      WriteKVArgs w{key.view(), value.view(), md.slot_mapping, cache_view, write_scales(k), {}};
       check_write_kv_args(c, w);
       impl->write_kv(w);
     }
@@ -215,9 +232,12 @@ Tensor make_initial_cache(const OpCase& k, CaseData& data) {
   if (!data.context_slots.empty()) {
     KVCacheView view = cache.view();
     if (k.latent) view.value = view.key;
-    WriteKVArgs w{data.context_key.view(),        data.context_value.view(),
-                  slots_view(data.context_slots), view,
-                  {k.k_scale, k.v_scale},         {}};
+    WriteKVArgs w{data.context_key.view(),
+                  data.context_value.view(),
+                  slots_view(data.context_slots),
+                  view,
+                  write_scales(k),
+                  {}};
     check_write_kv_args(c, w);
     ref->make_impl(c, Device::cpu())->write_kv(w);
   }

@@ -255,6 +255,23 @@ int cmd_selftest(const Options& o) {
     }
   }
   int problems = 0;
+  // Reading element 0 of per-head scales must fail every case whose values differ, not one:
+  // a backend may read them right on one path (decode) and wrong on another.
+  const auto head_zero = make_broken_backend(Bug::kHeadZeroScales);
+  for (const auto& k : cases) {
+    if (k.k_scales.empty() && k.v_scales.empty() && k.q_scales.empty()) continue;
+    CaseResult r;
+    try {
+      r = run_case(*head_zero, k, ro);
+    } catch (const std::exception&) {
+      r.passed = false;
+    }
+    if (r.supported && r.passed) {
+      std::printf("%-28s PROBLEM: passes %s\n", std::string(head_zero->name()).c_str(),
+                  k.name.c_str());
+      ++problems;
+    }
+  }
   for (const Suspect& s : suspects) {
     const std::string name(s.backend->name());
     if (s.caught_by.empty()) {

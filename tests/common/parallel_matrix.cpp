@@ -59,12 +59,9 @@ ParallelReference make_parallel_inputs(const bo::OpCase& k) {
   const AttentionMetadata md = r.data.step.to_device(Device::cpu());
   if (md.num_slots() == 0) return r;
   const auto ref64 = ref::make_backend(ref::Precision::kFloat64);
-  WriteKVArgs w{r.data.key.view(),
-                r.data.value.view(),
-                md.slot_mapping,
-                bo::cache_view_of(r.exact.cache, c.kv_cache_layout, k.latent),
-                KVScales{k.k_scale, k.v_scale, k.q_scale},
-                {}};
+  WriteKVArgs w{r.data.key.view(),   r.data.value.view(),
+                md.slot_mapping,     bo::cache_view_of(r.exact.cache, c.kv_cache_layout, k.latent),
+                bo::write_scales(k), {}};
   check_write_kv_args(c, w);
   ref64->make_impl(c, Device::cpu())->write_kv(w);
   return r;
@@ -160,6 +157,16 @@ RankShare tp_rank_share(const Backend& backend, const bo::OpCase& k, const Paral
     return refused(join_reasons(why));
   }
   const int hb = shard.head_begin, kb = shard.kv_head_begin;
+  // Per-head scales: the rank's KV heads ([num_kv_heads], or each row of [num_seqs, kv_heads]).
+  for (std::vector<float>* v : {&kr.k_scales, &kr.v_scales, &kr.q_scales}) {
+    if (v->empty()) continue;
+    std::vector<float> mine;
+    for (size_t row = 0; row < v->size(); row += size_t(c.num_kv_heads)) {
+      const auto first = v->begin() + std::ptrdiff_t(row) + kb;
+      mine.insert(mine.end(), first, first + shard.num_kv_heads);
+    }
+    *v = std::move(mine);
+  }
   bo::CaseData data = ref.data;
   data.query = Tensor::copy_of(ref.data.query.view().slice(1, hb, hb + shard.num_heads), {});
   data.key = Tensor::copy_of(ref.data.key.view().slice(1, kb, kb + shard.num_kv_heads), {});
@@ -192,6 +199,13 @@ RankShare dcp_rank_share(const Backend& backend, const bo::OpCase& k, const Para
   const AttentionConfig& c = k.config;
   if (const auto why = DecodeContextParallel::unsupported(c); !why.empty()) {
     return refused(join_reasons(why));
+  }
+  for (const bo::RequestShape& r : k.requests) {
+    if (r.seq_len >= 0) {  // DcpRequest has context + query keys: no way to say fewer
+      return refused("a request with fewer keys (" + std::to_string(r.seq_len) +
+                     ") than query tokens (" + std::to_string(r.query_len) +
+                     "): decode context parallelism's requests hold context + query keys");
+    }
   }
   const auto dcp = DecodeContextParallel::of(rank, world);
   bo::OpCase kr = k;
@@ -240,6 +254,20 @@ RankShare dcp_rank_share(const Backend& backend, const bo::OpCase& k, const Para
     requests.push_back(std::move(req));
   }
   const DcpStep step = dcp_step_metadata(requests, bs, dcp);
+  // Per-request scales ([num_seqs * num_kv_heads]): the DCP step has one request per query
+  // row, so request i's row repeats for each of its query rows.
+  const size_t hk = size_t(c.num_kv_heads), seqs = k.requests.size();
+  for (std::vector<float>* v : {&kr.k_scales, &kr.v_scales, &kr.q_scales}) {
+    if (v->size() != seqs * hk || seqs == 1) continue;
+    std::vector<float> rows;
+    for (size_t i = 0; i < seqs; ++i) {
+      for (int t = 0; t < k.requests[i].query_len; ++t) {
+        rows.insert(rows.end(), v->begin() + std::ptrdiff_t(i * hk),
+                    v->begin() + std::ptrdiff_t((i + 1) * hk));
+      }
+    }
+    *v = std::move(rows);
+  }
   bo::CaseData data = ref.data;
   data.step = step.metadata;
   s.run = bo::run_on(backend, kr, data, mine.storage(), partial_dtype, DType::kF32, device, 0);

@@ -448,6 +448,36 @@ TEST(StorageRejects, Fp8ScalesMustMatch) {
                                             "'0x1p-1,0x1p-1,0x1p-1'"));
 }
 
+// Per-head scales are part of an entry's identity: an entry saved under other head scales
+// (even with the same per-tensor floats) is rejected, never loaded as if they matched.
+TEST(StorageRejects, PerHeadScalesMustMatch) {
+  TempDir dir;
+  ModelShape shape;
+  shape.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+  shape.dtype = DType::kF32;
+  Model source(shape);
+  for (int l = 0; l < 3; ++l) source.layer(l).load_kv_scales({}, {0.5f, 0.25f}, {1.0f, 2.0f});
+  source.fill_random(6);
+  KVConnectorConfig config = source.connector_config("storage:" + dir.path());
+  const Saved saved = save_blocks(source, config, {5, 9});
+  {
+    Model same(shape);
+    for (int l = 0; l < 3; ++l) same.layer(l).load_kv_scales({}, {0.5f, 0.25f}, {1.0f, 2.0f});
+    KVConnectorStats st;
+    EXPECT_TRUE(load_blocks(same, config, saved, {3, 4}, &st).empty());
+    EXPECT_EQ(same.block(2, 4), source.block(2, 9));
+  }
+  Model other(shape);
+  for (int l = 0; l < 3; ++l) other.layer(l).load_kv_scales({}, {0.5f, 0.5f}, {1.0f, 2.0f});
+  std::vector<std::string> logs;
+  config.log = [&logs](std::string_view m) { logs.emplace_back(m); };
+  KVConnectorStats st;
+  EXPECT_EQ(load_blocks(other, config, saved, {3, 4}, &st).size(), 2u);
+  EXPECT_EQ(st.rejected_blocks, 2);
+  ASSERT_FALSE(logs.empty());
+  EXPECT_THAT(logs[0], ::testing::HasSubstr("field k_scales is '[0x1p-1;0x1p-2],"));
+}
+
 TEST(StorageFailures, MissingEntriesAreMissesNotRejections) {
   TempDir dir;
   ModelShape shape;

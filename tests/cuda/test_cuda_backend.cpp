@@ -945,6 +945,90 @@ TEST(CudaWriteKV, CacheBytesEqualTheReferenceOnBothPaths) {
   }
 }
 
+// Per-KV-head scales (vLLM's reshape_and_cache_flash with k_scale / v_scale of [num_kv_heads]):
+// the same bytes as the reference, vectorized (aligned) and element-wise (misaligned), for
+// scales that differ by 16x between heads.
+TEST(CudaWriteKV, PerHeadScalesGiveTheReferenceBytes) {
+  REQUIRE_GPU();
+  std::mt19937 rng(22);
+  const auto ref = ref::make_backend();
+  const auto backend = cuda::make_backend({false, 0});
+  for (DType act : {DType::kBF16, DType::kF16, DType::kF32}) {
+    for (KVCacheDType kv : {KVCacheDType::kFp8E4M3, KVCacheDType::kFp8E5M2}) {
+      for (KVCacheLayout layout : {KVCacheLayout::kNHD, KVCacheLayout::kHND}) {
+        for (int64_t misalign : {0, 1}) {
+          AttentionConfig c = gqa_config(act, 128);
+          c.num_kv_heads = 8;
+          c.num_heads = 8;
+          c.kv_cache_dtype = kv;
+          c.kv_cache_layout = layout;
+          const std::string what = cat_case(c, misalign);
+          const int64_t tokens = 29, kv_width = int64_t(c.num_kv_heads) * c.head_size;
+          const int64_t width = 2 * kv_width + 8 + misalign;
+          const Tensor host_buf = random_host({tokens, width}, act, rng, 40.0f);
+          const Tensor dev_buf = Tensor::copy_of(host_buf.view(), Device::cuda(0));
+          std::vector<int64_t> slots(static_cast<size_t>(tokens));
+          for (int64_t t = 0; t < tokens; ++t) slots[size_t(t)] = t % 7 == 2 ? -1 : 5 * t + 1;
+          const TensorView host_slots =
+              TensorView::contiguous(slots.data(), DType::kI64, {int64_t(slots.size())});
+          const Tensor dev_slots = Tensor::copy_of(host_slots, Device::cuda(0));
+          KVCache want = KVCache::allocate(c, 12);
+          KVCache got = KVCache::allocate(c, 12, Device::cuda(0));
+          KVScales scales{0.75f, 1.5f, 1.0f, {}, {}, {}};
+          for (int h = 0; h < c.num_kv_heads; ++h) {
+            scales.k_scales.push_back(h % 2 ? 0.3f * float(h + 1) : 4.0f / float(h + 1));
+            scales.v_scales.push_back(h % 2 ? 2.5f / float(h + 1) : 0.2f * float(h + 1));
+          }
+          const int64_t k_off = 8 + misalign, v_off = 8 + misalign + kv_width;
+          const WriteKVArgs host_args{fused_view(host_buf, k_off, c.num_kv_heads, c.head_size),
+                                      fused_view(host_buf, v_off, c.num_kv_heads, c.head_size),
+                                      host_slots,
+                                      want.view(),
+                                      scales,
+                                      {}};
+          check_write_kv_args(c, host_args);
+          ref->make_impl(c, Device::cpu())->write_kv(host_args);
+          backend->make_impl(c, Device::cuda(0))
+              ->write_kv({fused_view(dev_buf, k_off, c.num_kv_heads, c.head_size),
+                          fused_view(dev_buf, v_off, c.num_kv_heads, c.head_size),
+                          dev_slots.view(),
+                          got.view(),
+                          scales,
+                          {}});
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+          const Tensor back = Tensor::copy_of(got.storage().view(), Device::cpu());
+          EXPECT_EQ(std::memcmp(back.data(), want.storage().data(), back.view().nbytes()), 0)
+              << what;
+        }
+      }
+    }
+  }
+}
+
+// The attention kernels take one scale per call: per-head scales whose values differ are
+// refused (NotSupported naming the vector), equal ones collapse to the per-tensor float and pass.
+TEST(CudaDecode, PerHeadScalesAreRefusedUnlessEqual) {
+  REQUIRE_GPU();
+  const auto backend = cuda::make_backend({false, 0});
+  int refused = 0, passed = 0;
+  for (backend_ops::OpCase k : backend_ops::make_case_matrix(20261202)) {
+    if (k.k_scales.empty()) continue;
+    const backend_ops::CaseResult differ = backend_ops::run_case(*backend, k, {Device::cuda(0), 0});
+    EXPECT_FALSE(differ.supported) << k.name;
+    EXPECT_NE(differ.message.find("scales"), std::string::npos) << k.name << ": " << differ.message;
+    refused += !differ.supported;
+    for (std::vector<float>* v : {&k.k_scales, &k.v_scales, &k.q_scales}) {
+      std::fill(v->begin(), v->end(), v->empty() ? 1.0f : 0.6f);
+    }
+    const backend_ops::CaseResult equal = backend_ops::run_case(*backend, k, {Device::cuda(0), 0});
+    if (!equal.supported) continue;  // e.g. a head size this build did not compile
+    EXPECT_TRUE(equal.passed) << k.name << ": " << equal.message;
+    passed += equal.passed;
+  }
+  EXPECT_GT(refused, 10);
+  EXPECT_GT(passed, 10);
+}
+
 // ---- GPU: merge_states and amax -------------------------------------------------------------
 
 TEST(CudaMerge, MatchesTheReferenceWithInfinitiesAndGarbage) {

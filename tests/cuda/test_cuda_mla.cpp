@@ -215,7 +215,7 @@ TEST(CudaMLAAttention, ADecodeStepCapturedInAGraphReplaysTheEagerStep) {
   layer.bind_kv_cache(cache.view());
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  layer.set_stream({stream});
+  const Stream on{stream};
   auto inputs = [&](int64_t t) {
     return std::array<Tensor, 3>{
         Tensor::copy_of(random_host({t, kN, p + kR}, DType::kBF16, rng).view(), dev),  // q
@@ -230,7 +230,7 @@ TEST(CudaMLAAttention, ADecodeStepCapturedInAGraphReplaysTheEagerStep) {
     Tensor out = poisoned({49, kN * v}, DType::kBF16, dev);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     ctx.begin_step({&dmd});
-    layer.forward(in[0].view(), in[1].view(), in[2].view(), out.view());
+    layer.forward(in[0].view(), in[1].view(), in[2].view(), out.view(), on);
     ctx.end_step();
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   }
@@ -241,7 +241,7 @@ TEST(CudaMLAAttention, ADecodeStepCapturedInAGraphReplaysTheEagerStep) {
   Tensor out = poisoned({2, kN * v}, DType::kBF16, dev);  // [T, N * V]
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   ctx.begin_step({&dmd});
-  layer.forward(in[0].view(), in[1].view(), in[2].view(), out.view());  // eager, sizes things
+  layer.forward(in[0].view(), in[1].view(), in[2].view(), out.view(), on);  // eager, sizes things
   ctx.end_step();
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   const Tensor eager_out = Tensor::copy_of(out.view(), Device::cpu());
@@ -250,7 +250,7 @@ TEST(CudaMLAAttention, ADecodeStepCapturedInAGraphReplaysTheEagerStep) {
   cudaGraph_t graph;
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
   ctx.begin_step({&dmd});
-  layer.forward(in[0].view(), in[1].view(), in[2].view(), out.view());
+  layer.forward(in[0].view(), in[1].view(), in[2].view(), out.view(), on);
   ctx.end_step();
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
   cudaGraphExec_t exec;

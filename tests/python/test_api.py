@@ -269,8 +269,9 @@ def test_bad_metadata_and_slots(rng) -> None:
                               np.array([16, 17, 18, 19, 20, 52]))
     with pytest.raises(pa.InvalidArgument, match=r"block_table\[1\]\[1\] \(9\) is outside"):
         impl.forward(q, kv, md, np.zeros((6, 512), np.float32))
-    with pytest.raises(pa.InvalidArgument, match=r"seq_lens\[0\] \(2\) is shorter"):
-        md2 = pa.AttentionMetadata(np.array([0, 5, 6], np.int32), np.array([2, 21], np.int32),
+    # (A query longer than its keys is legal, as in FlashAttention; a negative length is not.)
+    with pytest.raises(pa.InvalidArgument, match=r"seq_lens\[0\] \(-1\) must be >= 0"):
+        md2 = pa.AttentionMetadata(np.array([0, 5, 6], np.int32), np.array([-1, 21], np.int32),
                                    np.array([[1, 0], [2, 3]], np.int32),
                                    np.array([16, 17, 18, 19, 20, 52]))
         impl.forward(q, kv, md2, np.zeros((6, 512), np.float32))

@@ -256,6 +256,42 @@ def test_kvcache_fp8_cache() -> None:
     _assert_rule(out, ref, naive, 1e-4, "output")
 
 
+@pytest.mark.parametrize("per_request_alibi", [False, True])
+def test_kvcache_fp8_per_head_descales(per_request_alibi) -> None:
+    """Per-head descales: [num_kv_heads] k/v descales quantise the new keys head by head and
+    read the cache back likewise; [batch, num_kv_heads] ones read request r's head h with
+    [r, h] (also when ALiBi rows differ and each request is a call of its own)."""
+    gen = torch.Generator().manual_seed(7)
+    q, kc16, vc16 = _small(gen, sq=2)
+    ks, vs = torch.tensor([0.02, 0.11]), torch.tensor([0.3, 0.015])
+    kc = (kc16.float() / ks[:, None]).to(torch.float8_e4m3fn)
+    vc = (vc16.float() / vs[:, None]).to(torch.float8_e4m3fn)
+    k_new = torch.randn(2, 2, 2, 64, generator=gen).to(torch.bfloat16)
+    v_new = torch.randn(2, 2, 2, 64, generator=gen).to(torch.bfloat16)
+    seqlens = torch.tensor([5, 17], dtype=torch.int32)
+    slopes = torch.tensor([pa.alibi_slopes(4), [0.5 * x for x in pa.alibi_slopes(4)]])
+    kw = dict(alibi_slopes=slopes) if per_request_alibi else {}
+    out = pt.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, causal=True,
+                                     k_descale=ks, v_descale=vs, **kw)
+    assert torch.equal(kc[0, 5:7], (k_new[0].float() / ks[:, None]).to(torch.float8_e4m3fn))
+    sl = slopes if per_request_alibi else None
+
+    def check(out, kd, vd):
+        keys = [kc[r, :int(s) + 2].float() * kd[r][:, None] for r, s in enumerate(seqlens)]
+        vals = [vc[r, :int(s) + 2].float() * vd[r][:, None] for r, s in enumerate(seqlens)]
+        ref, _ = _attention64(q, keys, vals, True, (-1, -1), 0.0, sl, 0.125)
+        naive, _ = _attention64(q, keys, vals, True, (-1, -1), 0.0, sl, 0.125, torch.bfloat16)
+        _assert_rule(out, ref, naive, 1e-4, "output")
+
+    check(out, ks.expand(2, 2), vs.expand(2, 2))
+    # Per request and head (the cache as written; no new keys).
+    kd = torch.tensor([[0.02, 0.11], [0.05, 0.07]])
+    vd = torch.tensor([[0.3, 0.015], [0.01, 0.2]])
+    out = pt.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens + 2, causal=True,
+                                     k_descale=kd, v_descale=vd, **kw)
+    check(out, kd, vd)
+
+
 def test_kvcache_bad_arguments() -> None:
     gen = torch.Generator().manual_seed(6)
     q, kc, vc = _small(gen)

@@ -190,21 +190,26 @@ def test_reshape_and_cache_flash_bytes(device, kv_cache_dtype, layout) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_scale_tensors_of_differing_values_are_refused(device: str) -> None:
+def test_scale_tensors_of_differing_values_are_served_or_refused(device: str) -> None:
     """A scale tensor of one value in every element (vLLM's expanded per-tensor scale) is that
-    value; one of differing values (per-head or per-request scales) is refused, never read as
-    its first element."""
+    value; one of differing values is served per head (tests/python/test_head_scales.py) where
+    the backend can, and refused with its reason where not (never read as its first element):
+    the cuda attention kernels take one scale per call."""
     s = make_torch_step([(0, 5), (20, 1)], num_heads=8, num_kv_heads=2, head_size=64,
-                        dtype="bfloat16", device=device)
+                        dtype="bfloat16", kv_cache_dtype="fp8_e4m3", device=device)
     kc, vc = s.key_cache.clone(), s.value_cache.clone()
     same = torch.full((2,), 0.5, device=device)
-    pt.reshape_and_cache_flash(s.k, s.v, kc, vc, s.slot_mapping, "auto", same, same)
+    pt.reshape_and_cache_flash(s.k, s.v, kc, vc, s.slot_mapping, "fp8_e4m3", same, same)
     per_head = torch.tensor([0.5, 0.25], device=device)
-    with pytest.raises(pa.NotSupported, match="k_scale of shape \\[2\\] holds differing"):
-        pt.reshape_and_cache_flash(s.k, s.v, kc, vc, s.slot_mapping, "auto", per_head, same)
-    with pytest.raises(pa.NotSupported, match="v_descale"):
-        _varlen(s, k_descale=same.reshape(1, 2).expand(2, 2),
-                v_descale=torch.tensor([[0.5, 0.5], [0.5, 0.25]], device=device))
+    pt.reshape_and_cache_flash(s.k, s.v, kc, vc, s.slot_mapping, "fp8_e4m3", per_head, same)
+    differing = torch.tensor([[0.5, 0.5], [0.5, 0.25]], device=device)
+    if device == "cuda":
+        with pytest.raises(pa.NotSupported, match="v_scales hold different values"):
+            _varlen(s, k_descale=same.reshape(1, 2).expand(2, 2), v_descale=differing)
+    else:
+        _varlen(s, k_descale=same.reshape(1, 2).expand(2, 2), v_descale=differing)
+    with pytest.raises(pa.InvalidArgument, match="k_descale must be a number"):
+        _varlen(s, k_descale=torch.ones(2, 2, 2, device=device) * per_head)
 
 
 @pytest.mark.parametrize("device", DEVICES)

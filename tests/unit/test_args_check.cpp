@@ -47,6 +47,38 @@ class ForwardArgsCheck : public ::testing::Test {
 TEST_F(ForwardArgsCheck, ValidArgsPass) {
   EXPECT_NO_THROW(check_forward_args(config_, args_));
 }
+TEST_F(ForwardArgsCheck, PerHeadScaleLengths) {
+  // One request, 2 KV heads: [2] per head; [num_seqs * 2] = [2] too; nothing else.
+  args_.scales.k_scales = {0.5f, 2.0f};
+  EXPECT_NO_THROW(check_forward_args(config_, args_));
+  args_.scales.v_scales = {1.0f, 2.0f, 3.0f};
+  expect_error(
+      "scales.v_scales has 3 values; expected none (per tensor), num_kv_heads (2) or "
+      "num_seqs * num_kv_heads (1 * 2 = 2)");
+  args_.scales.v_scales.clear();
+  args_.scales.q_scales = {1.0f};
+  expect_error("scales.q_scales has 1 values");
+}
+TEST_F(ForwardArgsCheck, PerHeadScalesPositiveForFp8) {
+  config_.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+  cache_ = KVCache::allocate(config_, 3);
+  args_.kv_cache = cache_.view();
+  args_.scales.k_scales = {0.5f, 2.0f};
+  EXPECT_NO_THROW(check_forward_args(config_, args_));
+  args_.scales.k_scales = {0.5f, -2.0f};
+  expect_error("scales.k_scales[1] (-2) must be finite and > 0");
+  args_.scales.k_scales.clear();
+  args_.scales.v_scales = {std::nanf(""), 1.0f};
+  expect_error("scales.v_scales[0] (nan) must be finite and > 0");
+}
+TEST_F(ForwardArgsCheck, PerSequenceScales) {
+  step_ = MetadataBuilder(4).add({3, 2, {1, 2}}).add({0, 0, {}}).add({1, 0, {0}}).build();
+  md_ = step_.view();
+  args_.scales.k_scales = {1, 2, 3, 4, 5, 6};  // [3 seqs, 2 KV heads]
+  EXPECT_NO_THROW(check_forward_args(config_, args_));
+  args_.scales.k_scales.resize(4);
+  expect_error("num_seqs * num_kv_heads (3 * 2 = 6)");
+}
 TEST_F(ForwardArgsCheck, MetadataRequired) {
   args_.metadata = nullptr;
   expect_error("metadata is required");
@@ -183,6 +215,19 @@ TEST_F(WriteArgsCheck, Fp8ScalesPositive) {
   args_.scales.v_scale = 1.0f;
   args_.scales.k_scale = std::nanf("");
   expect_error("k_scale (nan) must be finite and > 0");
+}
+TEST_F(WriteArgsCheck, PerHeadScales) {
+  args_.scales.k_scales = {0.5f, 3.0f};
+  args_.scales.v_scales = {2.0f, 0.25f};
+  EXPECT_NO_THROW(check_write_kv_args(config_, args_));
+  args_.scales.k_scales = {0.5f, 3.0f, 1.0f, 1.0f};  // [num_seqs, kv_heads]: attention only
+  expect_error(
+      "scales.k_scales has 4 values; write_kv takes none (per tensor) or num_kv_heads (2)");
+  args_.scales.k_scales = {0.5f, 0.0f};
+  expect_error("scales.k_scales[1] (0) must be finite and > 0");
+  args_.scales.k_scales.clear();
+  args_.scales.q_scales = {1.0f, 1.0f};
+  expect_error("scales.q_scales has 2 values; write_kv takes no query scales");
 }
 TEST_F(WriteArgsCheck, EncodersHaveNoCache) {
   config_.attn_type = AttentionType::kEncoder;

@@ -57,6 +57,9 @@ void expect_same_case(const Case& a, const Case& b) {
   EXPECT_EQ(x.block_size, y.block_size);
   EXPECT_EQ(a.scales.k_scale, b.scales.k_scale);
   EXPECT_EQ(a.scales.v_scale, b.scales.v_scale);
+  EXPECT_EQ(a.scales.k_scales, b.scales.k_scales);
+  EXPECT_EQ(a.scales.v_scales, b.scales.v_scales);
+  EXPECT_EQ(a.scales.q_scales, b.scales.q_scales);
   EXPECT_EQ(x.query_quant, y.query_quant);
   if (x.query_quant) {
     EXPECT_EQ(a.scales.q_scale, b.scales.q_scale);
@@ -89,8 +92,10 @@ void expect_cache_written(const Case& c, const CaseResult& r) {
       if (slot < 0) continue;
       for (int half = 0; half < 2; ++half) {
         const TensorView& src = half == 0 ? c.key.view() : c.value.view();
-        const float scale = !fp8 ? 1.0f : half == 0 ? c.scales.k_scale : c.scales.v_scale;
+        const std::vector<float>& heads = half == 0 ? c.scales.k_scales : c.scales.v_scales;
         for (int64_t e = 0; e < int64_t(hk) * d; ++e) {
+          float scale = !fp8 ? 1.0f : half == 0 ? c.scales.k_scale : c.scales.v_scale;
+          if (fp8 && !heads.empty()) scale = heads[size_t(e / d)];  // per KV head
           const float x = float(load_element(src.data, src.dtype, t * hk * d + e)) / scale;
           const int64_t at =
               (slot / bs) * kv.stride(0) + half * kv.stride(1) + (slot % bs) * kv.stride(2) + e;
@@ -199,6 +204,18 @@ std::vector<Feature> features() {
   s.pad_tokens = 3;
   s.block_size = 4;
   add("everything_at_once", s);
+  // Per-KV-head scales (2 KV heads) differing by 40x and more, both fp8 formats, a query_quant
+  // case with a q scale per KV head.
+  s = spec_with({{13, 1}, {30, 7}});
+  s.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+  s.scales = {1.0f, 1.0f, 1.0f, {0.05f, 2.0f}, {4.0f, 0.1f}, {}};
+  add("fp8_e4m3_head_scales", s);
+  s.kv_cache_dtype = KVCacheDType::kFp8E5M2;
+  add("fp8_e5m2_head_scales", s);
+  s.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+  s.scales.q_scales = {0.004f, 0.03f};
+  s.query_quant = true;
+  add("fp8_query_quant_head_scales", s);
   return f;
 }
 
@@ -509,6 +526,23 @@ TEST(CaseFile, ErrorsNameTheField) {
          f.tensors["kv_cache"] = Tensor::zeros({8, 2, 16, 2, 32}, DType::kFp8E4M3);
        },
        "metadata k_scale (0) must be finite and > 0 for an fp8 cache"},
+      {"k_scales length",
+       [](SafeTensors& f) { f.tensors["k_scales"] = Tensor::zeros({3}, DType::kF32); },
+       "tensor 'k_scales' must be float32 [num_kv_heads=2]"},
+      {"v_scales shape",
+       [](SafeTensors& f) {
+         f.tensors["v_scales"] = Tensor::zeros({1, 2}, DType::kF32);
+       },
+       "tensor 'v_scales' must be float32 [num_kv_heads=2]"},
+      {"fp8 k_scales value",
+       [](SafeTensors& f) {
+         f.metadata["kv_cache_dtype"] = "fp8";
+         f.tensors["kv_cache"] = Tensor::zeros({8, 2, 16, 2, 32}, DType::kFp8E4M3);
+         Tensor t = Tensor::zeros({2}, DType::kF32);
+         t.data_as<float>()[0] = 0.5f;
+         f.tensors["k_scales"] = t;
+       },
+       "tensor 'k_scales' element 1 (0) must be finite and > 0"},
       {"fp8 encoder",
        [](SafeTensors& f) {
          f.metadata["attn_type"] = "encoder";

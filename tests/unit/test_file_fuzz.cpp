@@ -44,6 +44,13 @@ CaseSpec random_spec(std::mt19937& rng) {
     s.requests.push_back({ctx, pick({1, 2, 5})});
   }
   s.pad_tokens = pick({0, 2});
+  if (s.kv_cache_dtype != KVCacheDType::kAuto && pick({0, 1})) {
+    // Per-KV-head scales: tensors whose damaged bytes or lengths the loader must refuse.
+    for (int h = 0; h < s.num_kv_heads; ++h) {
+      s.scales.k_scales.push_back(0.25f * float(h + 1));
+      s.scales.v_scales.push_back(2.0f / float(h + 1));
+    }
+  }
   return s;
 }
 

@@ -433,5 +433,119 @@ TEST(KvScales, CalibratedOnceOnTheFirstRealBatch) {
   EXPECT_FLOAT_EQ(a.k_scale(), 0.5f);
 }
 
+TEST(KvScales, PerHeadCheckpointRules) {
+  ForwardContext ctx;
+  AttentionOptions o = options("l.0");  // 2 KV heads
+  o.cache_config->cache_dtype = KVCacheDType::kFp8E4M3;
+  o.has_checkpoint_kv_scales = true;
+  Attention a(ctx, o);
+  a.load_kv_scales({0.5f, 0.25f}, {2.0f, 8.0f}, {3.0f, 0.75f});
+  EXPECT_EQ(a.q_scales(), (std::vector<float>{0.5f, 0.25f}));
+  EXPECT_EQ(a.k_scales(), (std::vector<float>{2.0f, 8.0f}));
+  EXPECT_EQ(a.v_scales(), (std::vector<float>{3.0f, 0.75f}));
+  const KVScales s = a.kv_scales();
+  EXPECT_EQ(s.k_scales, a.k_scales());
+  EXPECT_EQ(s.v_scales, a.v_scales());
+  EXPECT_TRUE(s.q_scales.empty());         // write_kv's scales: the query's travel with forward
+  a.load_kv_scales({}, {}, {4.0f, 5.0f});  // one present: both; missing q: k's, with a warning
+  EXPECT_EQ(a.k_scales(), (std::vector<float>{4.0f, 5.0f}));
+  EXPECT_EQ(a.v_scales(), (std::vector<float>{4.0f, 5.0f}));
+  EXPECT_EQ(a.q_scales(), (std::vector<float>{4.0f, 5.0f}));
+  EXPECT_NE(a.warnings().back().find("no q_scales"), std::string::npos) << a.warnings().back();
+  a.load_kv_scales(0.5f, 2.0f, 3.0f);  // per tensor again: the vectors go
+  EXPECT_TRUE(a.k_scales().empty() && a.v_scales().empty() && a.q_scales().empty());
+  EXPECT_FLOAT_EQ(a.k_scale(), 2.0f);
+  EXPECT_ERROR(a.load_kv_scales({}, {1.0f, 2.0f, 3.0f}, {}), InvalidArgument,
+               "k_scales has 3 values; expected num_kv_heads (2) or none");
+  EXPECT_ERROR(a.load_kv_scales({}, {1.0f, 2.0f}, {1.0f, -2.0f}), InvalidArgument,
+               "v_scales[1] (-2) must be finite and > 0");
+}
+
+TEST(KvScales, PerHeadScalesOnAnAutoCacheAreUnused) {
+  ForwardContext ctx;
+  Attention a(ctx, options("l.0"));
+  a.load_kv_scales({0.5f, 0.25f}, {2.0f, 8.0f}, {3.0f, 0.75f});
+  EXPECT_TRUE(a.k_scales().empty() && a.v_scales().empty() && a.q_scales().empty());
+}
+
+// Each KV head's rows depend on its own scales only: a layer with per-head scales gives bit for
+// bit the rows of the per-tensor layer with head 0's scales for KV head 0, and likewise head 1.
+TEST(KvScales, PerHeadScalesServeEachHeadItsOwn) {
+  ForwardContext ctx;
+  AttentionOptions o = options("l.0");
+  o.cache_config->cache_dtype = KVCacheDType::kFp8E5M2;
+  std::vector<std::unique_ptr<Attention>> layers;
+  std::vector<KVCache> caches;
+  for (int i = 0; i < 3; ++i) {
+    o.prefix = "l." + std::to_string(i);
+    layers.push_back(std::make_unique<Attention>(ctx, o));
+    caches.push_back(KVCache::allocate(layers.back()->config(), 4));
+    layers.back()->bind_kv_cache({caches.back().view()});
+  }
+  // Not powers of two: the written bytes (x / scale rounded) then depend on the scale.
+  layers[0]->load_kv_scales({}, {0.3f, 3.0f}, {0.7f, 1.9f});
+  layers[1]->load_kv_scales(-1.0f, 0.3f, 0.7f);
+  layers[2]->load_kv_scales(-1.0f, 3.0f, 1.9f);
+  StepMetadata st = MetadataBuilder(4).add({0, 5, {2, 0}}).build();
+  AttentionMetadata md = st.view();
+  const auto q = random_values(5 * 32, 21), k = random_values(5 * 16, 22),
+             v = random_values(5 * 16, 23);
+  auto view = [](const std::vector<float>& x, int64_t cols) {
+    return TensorView::contiguous(const_cast<float*>(x.data()), DType::kF32, {5, cols});
+  };
+  ctx.begin_step({&md});
+  std::vector<Tensor> out;
+  for (auto& l : layers) out.push_back(l->forward(view(q, 32), view(k, 16), view(v, 16)));
+  ctx.end_step();
+  bool differs = false;
+  for (int t = 0; t < 5; ++t) {
+    for (int h = 0; h < 4; ++h) {  // query heads 0, 1 read KV head 0; 2, 3 KV head 1
+      for (int d = 0; d < 8; ++d) {
+        const int i = (t * 4 + h) * 8 + d;
+        const float want = out[h < 2 ? 1 : 2].data_as<float>()[i];
+        EXPECT_EQ(out[0].data_as<float>()[i], want) << "t=" << t << " h=" << h << " d=" << d;
+        differs = differs || out[1].data_as<float>()[i] != out[2].data_as<float>()[i];
+      }
+    }
+  }
+  EXPECT_TRUE(differs);  // the scales matter, so the check above means something
+}
+
+TEST(KvScales, CalibratedPerHead) {
+  ForwardContext ctx;
+  AttentionOptions o = options("l.0");  // 4 query heads, 2 KV heads, head size 8
+  o.cache_config->cache_dtype = KVCacheDType::kFp8E4M3;
+  o.cache_config->calculate_kv_scales = true;
+  o.per_head_kv_scales = true;
+  Attention a(ctx, o);
+  KVCache c = KVCache::allocate(a.config(), 2);
+  a.bind_kv_cache({c.view()});
+  StepMetadata s = MetadataBuilder(4).add({0, 1, {1}}).build();
+  AttentionMetadata md = s.view();
+  std::vector<float> q(32, 0.0f), k(16, 0.0f), v(16, 0.0f);
+  auto run = [&] {
+    ctx.begin_step({&md});
+    a.forward(TensorView::contiguous(q.data(), DType::kF32, {1, 32}),
+              TensorView::contiguous(k.data(), DType::kF32, {1, 16}),
+              TensorView::contiguous(v.data(), DType::kF32, {1, 16}));
+    ctx.end_step();
+  };
+  q[3] = -40.0f;  // query head 0 (KV head 0)
+  k[5] = 100.0f;  // KV head 0
+  v[0] = 50.0f;
+  run();  // KV head 1 is all zeros: nothing to calibrate it on, try again next time
+  EXPECT_TRUE(a.calculate_kv_scales());
+  EXPECT_TRUE(a.k_scales().empty());
+  q[8 * 3 + 1] = 4.0f;  // query head 3 (KV head 1)
+  k[8 + 2] = -10.0f;
+  v[8 + 7] = 20.0f;
+  run();
+  EXPECT_FALSE(a.calculate_kv_scales());
+  EXPECT_EQ(a.q_scales(), (std::vector<float>{40.0f / 200.0f, 4.0f / 200.0f}));
+  EXPECT_EQ(a.k_scales(), (std::vector<float>{100.0f / 200.0f, 10.0f / 200.0f}));
+  EXPECT_EQ(a.v_scales(), (std::vector<float>{50.0f / 100.0f, 20.0f / 100.0f}));
+  EXPECT_EQ(a.kv_scales().k_scales, a.k_scales());
+}
+
 }  // namespace
 }  // namespace pagedattn

@@ -89,9 +89,13 @@ TEST_F(MetadataValidation, NumActualTokensMatchesLastOffset) {
   EXPECT_ERROR(validate_metadata(m, AttentionType::kDecoder, {13, 16}), InvalidArgument,
                "metadata.num_actual_tokens (24) != query_start_loc[num_seqs] (25)");
 }
-TEST_F(MetadataValidation, SeqLenCoversQuery) {
+// A query may outnumber its keys (FlashAttention's seqlen_q > seqlen_k), but its tokens' slots
+// must still lie in the blocks its seq_len uses (here request 1's tokens sit at positions 32-47,
+// in its third block, and seq_len 15 uses one).
+TEST_F(MetadataValidation, ASeqLenBelowTheQueryStillBoundsTheSlots) {
   step_.seq_lens[1] = 15;
-  expect_error("metadata.seq_lens[1] (15) is shorter than the request's 16 query tokens");
+  expect_error("metadata.slot_mapping[1] (");
+  expect_error("which is not one of request 1's 1 blocks");
 }
 TEST_F(MetadataValidation, MaxQueryLenIsAnUpperBound) {
   step_.max_query_len = 8;
@@ -189,10 +193,16 @@ TEST_F(MetadataValidation, CrossAttentionQueriesMayOutnumberTheEncoderKeys) {
   s.seq_lens[0] = -1;
   EXPECT_ERROR(validate_metadata(s.view(), AttentionType::kEncoderDecoder, {8, 4}), InvalidArgument,
                "metadata.seq_lens[0] (-1) must be >= 0");
+  // A decoder too (bottom-right causal: the first 3 rows see no key), and zero keys in a cache
+  // of zero blocks.
   s.seq_lens[0] = 3;
   s.causal = true;
-  EXPECT_ERROR(validate_metadata(s.view(), AttentionType::kDecoder, {8, 4}), InvalidArgument,
-               "metadata.seq_lens[0] (3) is shorter than the request's 6 query tokens");
+  EXPECT_NO_THROW(validate_metadata(s.view(), AttentionType::kDecoder, {8, 4}));
+  s.seq_lens[0] = 0;
+  EXPECT_NO_THROW(validate_metadata(s.view(), AttentionType::kDecoder, {0, 4}));
+  s.seq_lens[0] = 1;
+  EXPECT_ERROR(validate_metadata(s.view(), AttentionType::kDecoder, {0, 4}), InvalidArgument,
+               "metadata.block_table[0][0] (2) is outside the cache's blocks [0, 0)");
 }
 
 }  // namespace

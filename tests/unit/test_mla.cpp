@@ -831,9 +831,8 @@ TEST(MLAAttention, DeviceTensorsGoThroughTheBackendsDeviceOps) {
   o.attn_backend = "with_ops";
   MLAAttention layer(ctx, o, registry);
   int stream_tag = 0;
-  layer.set_stream(Stream{&stream_tag});
   ctx.begin_profile_step();
-  layer.forward(qv, kvv, pev, outv);
+  layer.forward(qv, kvv, pev, outv, Stream{&stream_tag});
   EXPECT_EQ(ops.calls, std::vector<std::string>{"zero_rows"});
   EXPECT_EQ(ops.zeroed.data, outv.data);
   EXPECT_EQ(ops.zero_stream.handle, &stream_tag);

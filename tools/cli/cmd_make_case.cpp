@@ -4,6 +4,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "cli.h"
 #include "pagedattn/case_file.h"
@@ -29,6 +30,7 @@ struct MakeCaseOptions {
   bool sinks = false;
   float k_scale = 1.0f;
   float v_scale = 1.0f;
+  std::vector<float> k_scales, v_scales;  // per KV head (empty: k_scale / v_scale)
   std::string requests = "0:7,21:1,5:12";
   int pad_tokens = 0;
   int spare_blocks = 2;
@@ -54,7 +56,7 @@ void run_make_case(const MakeCaseOptions& o) {
   spec.logits_soft_cap = o.soft_cap;
   spec.alibi = o.alibi;
   spec.sinks = o.sinks;
-  spec.scales = {o.k_scale, o.v_scale};
+  spec.scales = {o.k_scale, o.v_scale, 1.0f, o.k_scales, o.v_scales, {}};
   spec.requests = parse_case_requests(o.requests);
   spec.pad_tokens = o.pad_tokens;
   spec.spare_blocks = o.spare_blocks;
@@ -91,6 +93,10 @@ void add_make_case_command(CLI::App& app) {
   cmd->add_flag("--sinks", opts->sinks, "random attention sinks");
   cmd->add_option("--k-scale", opts->k_scale, "fp8 K scale")->capture_default_str();
   cmd->add_option("--v-scale", opts->v_scale, "fp8 V scale")->capture_default_str();
+  cmd->add_option("--k-scales", opts->k_scales, "fp8 K scales per KV head (comma-separated)")
+      ->delimiter(',');
+  cmd->add_option("--v-scales", opts->v_scales, "fp8 V scales per KV head (comma-separated)")
+      ->delimiter(',');
   cmd->add_option("--requests", opts->requests,
                   "context_len:num_new_tokens per request, comma-separated (encoder types: 0:n; "
                   "encoder_decoder: seq_len = context_len + num_new_tokens encoder tokens)")

@@ -17,7 +17,7 @@ annotations.
 """
 
 import os
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch.utils.dlpack import to_dlpack as _to_dlpack
@@ -136,10 +136,13 @@ def write_kv(
     kv_cache_dtype: str,
     k_scale: float,
     v_scale: float,
+    k_scales: Optional[List[float]] = None,
+    v_scales: Optional[List[float]] = None,
 ) -> None:
     """Scatters key/value [T, num_kv_heads, head_size] into key_cache/value_cache
     [num_blocks, block_size, num_kv_heads, head_size] (any strides) at slot_mapping (int64;
-    -1 skips; len(slot_mapping) tokens are written)."""
+    -1 skips; len(slot_mapping) tokens are written). k_scales / v_scales, when given, are the
+    fp8 scales per KV head ([num_kv_heads]) and replace k_scale / v_scale."""
     if key_cache.dim() != 4:
         raise _C.InvalidArgument(
             f"key_cache must be [num_blocks, block_size, num_kv_heads, head_size]; got shape "
@@ -150,12 +153,18 @@ def write_kv(
     impl = get_impl(num_kv_heads, head_size, num_kv_heads, block_size, _dtype_name(key),
                     cache_dtype, "decoder", 1.0, 0, 0.0, None, None, _device(key_cache))
     impl.write_kv(_dl(key), _dl(value), _dl(slot_mapping), (_dl(key_cache), _dl(value_cache)),
-                  k_scale, v_scale, _stream(key_cache))
+                  _scale_arg(k_scale, k_scales), _scale_arg(v_scale, v_scales),
+                  _stream(key_cache))
+
+
+def _scale_arg(whole: float, per_head: Optional[List[float]]) -> Union[float, List[float]]:
+    """What Impl takes: the per-head list when given, else the per-tensor float."""
+    return list(per_head) if per_head is not None else whole
 
 
 @write_kv.register_fake
 def _write_kv_fake(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
-                   v_scale) -> None:
+                   v_scale, k_scales=None, v_scales=None) -> None:
     return None
 
 
@@ -188,6 +197,8 @@ def attention(
     backend: str,
     query_quant: bool = False,
     q_scale: float = 1.0,
+    k_scales: Optional[List[float]] = None,
+    v_scales: Optional[List[float]] = None,
 ) -> None:
     """Attention for query rows [0, num_actual_tokens) of q [T, num_heads, head_size] into out
     (same shape) and softmax_lse float32 [num_heads, T].
@@ -201,6 +212,9 @@ def attention(
     the metadata. backend names a backend ("" = the registry's choice). query_quant is vLLM's
     (AttentionConfig::query_quant): the query is quantised to e4m3 with q_scale and the backend
     computes with fp8 products (cuda, ref; the cpu backend refuses it with its reason).
+    k_scales / v_scales, when given, replace k_scale / v_scale: [num_kv_heads] or
+    [num_seqs * num_kv_heads] (row-major) fp8 scales (ref and cpu serve differing values; the
+    cuda backend only equal ones, and refuses others with its reason).
     """
     cached = attn_type in ("decoder", "encoder_decoder")
     num_heads, head_size = q.shape[1], q.shape[2]
@@ -247,7 +261,8 @@ def attention(
     if plan.workspace_bytes > 0:
         workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=q.device)
     impl.forward(_dl(q), kv_cache, metadata, _dl(out), _dl(softmax_lse), _dl(key), _dl(value),
-                 k_scale, v_scale, plan, _dl(workspace), _stream(q), q_scale=q_scale)
+                 _scale_arg(k_scale, k_scales), _scale_arg(v_scale, v_scales), plan,
+                 _dl(workspace), _stream(q), q_scale=q_scale)
 
 
 @attention.register_fake
@@ -255,7 +270,7 @@ def _attention_fake(q, key, value, key_cache, value_cache, cu_seqlens_q, seqused
                     out, softmax_lse, max_seqlen_q, max_seqlen_k, num_actual_tokens, attn_type,
                     softmax_scale, sliding_window, softcap, alibi_slopes, sinks, kv_cache_dtype,
                     k_scale, v_scale, cu_seqlens_q_cpu, seqused_k_cpu, backend, query_quant=False,
-                    q_scale=1.0) -> None:
+                    q_scale=1.0, k_scales=None, v_scales=None) -> None:
     return None
 
 

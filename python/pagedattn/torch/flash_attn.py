@@ -35,22 +35,41 @@ def _host_floats(x: Any, name: str) -> Optional[List[float]]:
 
 
 def _host_scale(x: Any, name: str) -> float:
-    """A scale given as a number, a one-element tensor, or a tensor holding one value in every
-    element (vLLM expands a per-tensor scale to FlashAttention's [batch, num_kv_heads]). A
-    tensor of differing values (per-head or per-request scales) is refused, never read as its
-    first element."""
+    """A scale that must be one value: a number, a one-element tensor, or a tensor holding one
+    value in every element. A tensor of differing values is refused, never read as its first
+    element."""
+    whole, per_head = _host_scales(x, name)
+    if per_head is not None:
+        raise _C.NotSupported(
+            f"{name} of shape {list(x.shape)} holds differing values (per-head or "
+            f"per-request scales); this path takes one scale for the whole tensor")
+    return whole
+
+
+def _host_scales(x: Any, name: str) -> Tuple[float, Optional[List[float]]]:
+    """A scale as (per-tensor float, per-head list or None): a number; a tensor holding one
+    value in every element (vLLM expands a per-tensor scale to FlashAttention's [batch,
+    num_kv_heads]) gives that value; a [batch, num_kv_heads] tensor whose rows are equal gives
+    its first row ([num_kv_heads], per head); any other tensor its values flattened, row-major
+    ([num_kv_heads], or [batch * num_kv_heads] per request and head), whose length the backend
+    checks. A CUDA tensor is read on the host (a sync)."""
     if x is None:
-        return 1.0
-    if isinstance(x, torch.Tensor):
-        flat = x.detach().reshape(-1).float().cpu()
-        if flat.numel() == 0:
-            raise _C.InvalidArgument(f"{name} is empty")
-        if flat.numel() > 1 and not bool((flat == flat[0]).all()):
-            raise _C.NotSupported(
-                f"{name} of shape {list(x.shape)} holds differing values (per-head or "
-                f"per-request scales); this path takes one scale for the whole tensor")
-        return float(flat[0])
-    return float(x)
+        return 1.0, None
+    if not isinstance(x, torch.Tensor):
+        return float(x), None
+    t = x.detach().float().cpu()
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        raise _C.InvalidArgument(f"{name} is empty")
+    if bool((flat == flat[0]).all()):
+        return float(flat[0]), None
+    if t.dim() > 2:
+        raise _C.InvalidArgument(
+            f"{name} must be a number, [num_kv_heads] or [batch, num_kv_heads]; got shape "
+            f"{list(x.shape)}")
+    if t.dim() == 2 and bool((t == t[0:1]).all()):
+        return 1.0, t[0].tolist()
+    return 1.0, flat.tolist()
 
 
 def flash_attn_varlen_func(
@@ -157,13 +176,16 @@ def flash_attn_varlen_func(
         out = torch.empty_like(q)
     lse = _lse_out if _lse_out is not None else torch.empty(
         (q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    # Descales [batch, num_kv_heads] (or [num_kv_heads]) of differing values go to the backend
+    # per head; those that serve them (ref, cpu) do, the others refuse with their reason.
+    k_scale, k_scales = _host_scales(k_descale, "k_descale")
+    v_scale, v_scales = _host_scales(v_descale, "v_descale")
     torch.ops.pagedattn.attention(
         q, None, None, k, v, cu_seqlens_q, seqused_k, block_table, out, lse,
         int(max_seqlen_q), int(max_seqlen_k), -1, attn_type, scale, sliding_window,
         float(softcap or 0.0), _host_floats(alibi_slopes, "alibi_slopes"),
-        _host_floats(s_aux, "s_aux"), kv_cache_dtype, _host_scale(k_descale, "k_descale"),
-        _host_scale(v_descale, "v_descale"), cu_seqlens_q_cpu, seqused_k_cpu, backend,
-        query_quant)
+        _host_floats(s_aux, "s_aux"), kv_cache_dtype, k_scale, v_scale, cu_seqlens_q_cpu,
+        seqused_k_cpu, backend, query_quant, k_scales=k_scales, v_scales=v_scales)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -207,11 +229,14 @@ def reshape_and_cache_flash(
     into key_cache/value_cache ``[num_blocks, block_size, num_kv_heads, head_size]`` (NHD or HND
     strides) at ``slot_mapping`` (int64; -1 skips). Writes ``len(slot_mapping)`` tokens.
 
-    ``k_scale``/``v_scale`` may be floats or one-element tensors; a CUDA tensor is read on the
+    ``k_scale``/``v_scale`` may be floats, one-element tensors or ``[num_kv_heads]`` tensors
+    (per-head scales, as vLLM's per-head KV-cache quantisation); a CUDA tensor is read on the
     host (a sync, and not capturable in a CUDA graph): pass floats there.
     """
+    k, ks = _host_scales(k_scale, "k_scale")
+    v, vs = _host_scales(v_scale, "v_scale")
     torch.ops.pagedattn.write_kv(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                 _host_scale(k_scale, "k_scale"), _host_scale(v_scale, "v_scale"))
+                                 k, v, ks, vs)
 
 
 def merge_attn_states(

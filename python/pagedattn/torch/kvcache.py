@@ -16,7 +16,7 @@ import torch
 
 from pagedattn import _C
 from pagedattn.torch import _ops
-from pagedattn.torch.flash_attn import _fp8_query, _host_scale
+from pagedattn.torch.flash_attn import _fp8_query, _host_scales
 
 Number = Union[float, int]
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -285,7 +285,10 @@ def flash_attn_with_kvcache(
         q = _rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
         k = _rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
 
-    k_scale, v_scale = _host_scale(k_descale, "k_descale"), _host_scale(v_descale, "v_descale")
+    # Per-head descales ([num_kv_heads], or [batch, num_kv_heads] rows) serve the write and the
+    # attention; per-request ones only the attention (write_kv refuses them with its reason).
+    k_scale, k_scales = _host_scales(k_descale, "k_descale")
+    v_scale, v_scales = _host_scales(v_descale, "v_descale")
     if k is not None and seqlen_new > 0:
         pos = seqlens.long()[:, None] + torch.arange(seqlen_new, device=dev)[None, :]  # [b, new]
         if paged:
@@ -295,7 +298,7 @@ def flash_attn_with_kvcache(
             slots = rows.long()[:, None] * capacity + pos
         torch.ops.pagedattn.write_kv(
             k.reshape(-1, nheads_k, d), v.reshape(-1, nheads_k, d), k_cache, v_cache,
-            slots.reshape(-1), cache_dtype, k_scale, v_scale)
+            slots.reshape(-1), cache_dtype, k_scale, v_scale, k_scales, v_scales)
 
     # Keys attended per request, and the block table that reads them.
     seq_k = seqlens + seqlen_new
@@ -331,8 +334,8 @@ def flash_attn_with_kvcache(
 
     call = dict(key_cache=key_cache, value_cache=value_cache, table=table, seq_k=seq_k,
                 attn_type=attn_type, scale=scale, window=window, softcap=float(softcap or 0.0),
-                cache_dtype=cache_dtype, k_scale=k_scale, v_scale=v_scale, backend=backend,
-                query_quant=query_quant)
+                cache_dtype=cache_dtype, k_scale=k_scale, v_scale=v_scale, k_scales=k_scales,
+                v_scales=v_scales, backend=backend, query_quant=query_quant)
     if not (starved or per_request):
         out = torch.empty_like(qf)
         lse = torch.empty((nheads, batch * seqlen_q), dtype=torch.float32, device=dev)
@@ -352,7 +355,9 @@ def flash_attn_with_kvcache(
             sel = torch.tensor(reqs, dtype=torch.long, device=dev)
             o = torch.empty((idx.numel(), nheads, d), dtype=q.dtype, device=dev)
             l_ = torch.empty((nheads, idx.numel()), dtype=torch.float32, device=dev)
-            sub = dict(call, table=table[sel], seq_k=seq_k[sel])
+            sub = dict(call, table=table[sel], seq_k=seq_k[sel],
+                       k_scales=_scale_rows(k_scales, reqs, batch, nheads_k),
+                       v_scales=_scale_rows(v_scales, reqs, batch, nheads_k))
             _attend(qf[idx], o, l_, [counts[r] for r in reqs],
                     None if host_k is None else [host_k[r] for r in reqs],
                     slopes[reqs[0]] if slopes else None, **sub)
@@ -371,12 +376,21 @@ def flash_attn_with_kvcache(
     return res, lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
+def _scale_rows(scales: Optional[List[float]], reqs: List[int], batch: int,
+                kv_heads: int) -> Optional[List[float]]:
+    """Per-request scales ([batch * kv_heads]) of the requests `reqs`; others as they are."""
+    if scales is None or len(scales) != batch * kv_heads or batch == 1:
+        return scales
+    return [scales[r * kv_heads + h] for r in reqs for h in range(kv_heads)]
+
+
 def _attend(qf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, counts: List[int],
             host_k: Optional[List[int]], slopes: Optional[List[float]], *,
             key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
             seq_k: torch.Tensor, attn_type: str, scale: float, window: int, softcap: float,
             cache_dtype: str, k_scale: float, v_scale: float, backend: str,
-            query_quant: bool = False) -> None:
+            k_scales: Optional[List[float]] = None,
+            v_scales: Optional[List[float]] = None, query_quant: bool = False) -> None:
     """One pagedattn::attention call: qf [sum(counts), nheads, d], the rows of requests with
     counts[r] queries and seq_k[r] keys read through table [requests, columns]."""
     dev = qf.device
@@ -393,4 +407,5 @@ def _attend(qf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, counts: List
         qf, None, None, key_cache, value_cache, cu, seq_k, table, out, lse, max(counts),
         max(max_k, 1), int(cu_host[-1]), attn_type, scale, window, softcap, slopes, None,
         cache_dtype, k_scale, v_scale, cu_host if on_cuda else None,
-        seq_k_cpu if on_cuda else None, backend, query_quant)
+        seq_k_cpu if on_cuda else None, backend, query_quant, k_scales=k_scales,
+        v_scales=v_scales)

@@ -194,6 +194,8 @@ class Attention(torch.nn.Module):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.kv_cache: List[Optional[KVCache]] = [None] * self._context.pipeline_parallel_size
         self._q_scale_float = self._k_scale_float = self._v_scale_float = 1.0
+        self._k_scales: Optional[List[float]] = None  # per KV head, when loaded so
+        self._v_scales: Optional[List[float]] = None
         self.calculate_kv_scales = self.native.calculate_kv_scales
         self._context.layers[prefix] = self
 
@@ -223,9 +225,15 @@ class Attention(torch.nn.Module):
                 f"virtual engine ({self._context.pipeline_parallel_size})")
         self.kv_cache = list(kv_caches)
 
-    def load_kv_scales(self, q_scale: float, k_scale: float, v_scale: float) -> None:
-        """Checkpoint scales after weight loading (negative = absent), with vLLM's rules."""
-        self.native.load_kv_scales(q_scale, k_scale, v_scale)
+    def load_kv_scales(self, q_scale: Any, k_scale: Any, v_scale: Any) -> None:
+        """Checkpoint scales after weight loading (negative = absent), with vLLM's rules: floats,
+        or lists of num_kv_heads floats per head (an empty list = absent)."""
+        from pagedattn._functional import scale_arg
+        args = [scale_arg(x) for x in (q_scale, k_scale, v_scale)]
+        if any(isinstance(a, list) for a in args):  # per head: floats become absent or [x]*H
+            args = [a if isinstance(a, list) else ([] if a < 0 else [a] * self.num_kv_heads)
+                    for a in args]
+        self.native.load_kv_scales(*args)
         self._read_native_scales()
         self.calculate_kv_scales = self.native.calculate_kv_scales
 
@@ -243,6 +251,15 @@ class Attention(torch.nn.Module):
         n = self.native
         self._q_scale_float, self._k_scale_float, self._v_scale_float = (
             n.q_scale, n.k_scale, n.v_scale)
+        self._k_scales = list(n.k_scales) or None
+        self._v_scales = list(n.v_scales) or None
+        q_scales = list(n.q_scales)
+        if q_scales and self.query_quant:
+            if any(x != q_scales[0] for x in q_scales):
+                raise _C.NotSupported(
+                    "per-head q scales of differing values: this layer quantises the query "
+                    "with one q_scale")
+            self._q_scale_float = q_scales[0]
 
     def _cache(self) -> Tuple[torch.Tensor, torch.Tensor]:
         owner = self
@@ -296,7 +313,8 @@ class Attention(torch.nn.Module):
             if k is not None and self.kv_sharing_target_layer_name is None:
                 torch.ops.pagedattn.write_kv(k, v, key_cache, value_cache, md.slot_mapping,
                                              self.kv_cache_dtype, self._k_scale_float,
-                                             self._v_scale_float)
+                                             self._v_scale_float, self._k_scales,
+                                             self._v_scales)
         lse = torch.empty((hq, q.shape[0]), dtype=torch.float32, device=q.device)
         torch.ops.pagedattn.attention(
             q, None if cached else k, None if cached else v, key_cache, value_cache,
@@ -305,7 +323,7 @@ class Attention(torch.nn.Module):
             self.sliding_window or 0, self.logits_soft_cap or 0.0, self.alibi_slopes,
             self._sinks_list, self.kv_cache_dtype, self._k_scale_float, self._v_scale_float,
             md.query_start_loc_cpu, md.seq_lens_cpu, self._backend_name, self.query_quant,
-            self._q_scale_float)
+            self._q_scale_float, self._k_scales, self._v_scales)
         return output.view(-1, shape[-1])
 
 

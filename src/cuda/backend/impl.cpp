@@ -199,6 +199,17 @@ void CudaImpl::write_kv(const WriteKVArgs& a) {
   p.block_size = c.block_size();
   p.k_scale = a.scales.k_scale;
   p.v_scale = a.scales.v_scale;
+  if (a.scales.per_head() && is_fp8(config_.kv_cache_dtype)) {  // others ignore scales
+    const int heads = config_.num_kv_heads;
+    require<NotSupported>(heads <= cache_ops::kMaxHeadScales, "cuda backend: per-head k/v scales ",
+                          "serve up to ", cache_ops::kMaxHeadScales, " KV heads; num_kv_heads is ",
+                          heads);
+    p.per_head_scales = 1;
+    for (int h = 0; h < heads; ++h) {
+      p.k_scales[h] = a.scales.k_scale_of(0, h, heads);
+      p.v_scales[h] = a.scales.v_scale_of(0, h, heads);
+    }
+  }
   // 8-element chunks: 16 bytes of 16-bit activations; 8 bytes of fp8, 16 of 16-bit, 32 of f32.
   const size_t cache_align = std::min<size_t>(16, 8 * dtype_size(cache_dtype_));
   auto cache_ok = [&](const TensorView& v) {
@@ -374,8 +385,42 @@ void set_splits(attn::AttnParams& p, const ForwardArgs& a, const AttentionConfig
 
 }  // namespace
 
-void CudaImpl::forward(const ForwardArgs& a) {
+namespace {
+
+// The attention kernels take one k, v and q scale per call: a per-head vector serves when all
+// its values are equal (then exactly), else it is refused. Vectors the call does not read (k/v
+// without an fp8 cache, q without query_quant) are dropped.
+KVScales per_tensor_scales(const KVScales& s, const AttentionConfig& cfg) {
+  KVScales out{s.k_scale, s.v_scale, s.q_scale, {}, {}, {}};
+  const bool fp8 = uses_kv_cache(cfg.attn_type) && is_fp8(cfg.kv_cache_dtype);
+  auto collapse = [](const std::vector<float>& v, float* dst, const char* name) {
+    if (v.empty()) return;
+    for (const float x : v) {
+      require<NotSupported>(x == v.front(), "cuda backend: scales.", name, " hold different ",
+                            "values (", v.front(), " and ", x, "); the cuda attention kernels ",
+                            "take one scale per call (the ref and cpu backends serve per-head ",
+                            "scales)");
+    }
+    *dst = v.front();
+  };
+  if (fp8) {
+    collapse(s.k_scales, &out.k_scale, "k_scales");
+    collapse(s.v_scales, &out.v_scale, "v_scales");
+  }
+  if (cfg.query_quant) collapse(s.q_scales, &out.q_scale, "q_scales");
+  return out;
+}
+
+}  // namespace
+
+void CudaImpl::forward(const ForwardArgs& args) {
   const AttentionConfig& cfg = config_;
+  ForwardArgs uniform;
+  if (args.scales.per_head()) {
+    uniform = args;
+    uniform.scales = per_tensor_scales(args.scales, cfg);
+  }
+  const ForwardArgs& a = args.scales.per_head() ? uniform : args;
   require(a.metadata != nullptr, "metadata is required");
   const AttentionMetadata& md = *a.metadata;
   const bool cached = uses_kv_cache(cfg.attn_type);
@@ -389,6 +434,8 @@ void CudaImpl::forward(const ForwardArgs& a) {
   }
   if (md.num_seqs <= 0 || md.num_actual_tokens <= 0 || md.max_query_len <= 0) return;
   require_on(md.query_start_loc, device_, "metadata.query_start_loc");
+  // The backend's plan made this check for its step; without one it is made here.
+  if (dynamic_cast<const CudaPlan*>(a.plan) == nullptr) refuse_rows_without_keys(md, cfg);
   if (mla_ != nullptr) {
     forward_mla(a, stream);
     return;

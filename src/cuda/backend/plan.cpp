@@ -70,6 +70,29 @@ void reserve_query_quant(CudaPlan& plan, const AttentionConfig& config) {
   plan.workspace = plan.q_offset + plan.q_bytes;
 }
 
+void refuse_rows_without_keys(const AttentionMetadata& md, const AttentionConfig& config) {
+  if (config.attn_type != AttentionType::kDecoder) return;
+  const TensorView& qsl = md.query_start_loc_cpu;
+  const TensorView& sl = md.seq_lens_cpu;
+  if (md.num_seqs <= 0 || !qsl.defined() || !sl.defined()) return;
+  detail::require(qsl.device.is_cpu() && sl.device.is_cpu(),
+                  "cuda backend: metadata.query_start_loc_cpu and seq_lens_cpu must be host views");
+  auto at = [](const TensorView& v, int i) {
+    return static_cast<const int32_t*>(v.data)[int64_t(i) * v.stride(0)];
+  };
+  for (int r = 0; r < md.num_seqs; ++r) {
+    const int q = at(qsl, r + 1) - at(qsl, r), s = at(sl, r);
+    if (s < q) {
+      detail::fail<NotSupported>(
+          "cuda backend: request ", r, " has ", q, " query tokens but seq_len ", s,
+          " keys, so its first ", q - s,
+          " rows see no key under the causal mask; the cuda kernels are not verified to write "
+          "output 0 and LSE -inf for such rows, so they refuse them (the cpu and ref backends "
+          "serve them)");
+    }
+  }
+}
+
 std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& md, const AttentionConfig& config,
                                     int num_sms, int ctas_per_sm, int route_rows,
                                     int prefill_block_m, int prefill_ctas_per_sm) {
@@ -97,6 +120,7 @@ std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& md, const Attention
   auto at = [](const TensorView& v, int i) {
     return static_cast<const int32_t*>(v.data)[int64_t(i) * v.stride(0)];
   };
+  refuse_rows_without_keys(md, config);
   for (int r = 0; r < md.num_seqs; ++r) {
     const int q = at(qsl, r + 1) - at(qsl, r);
     int kv = cached ? at(sl, r) : q;

@@ -65,6 +65,11 @@ void reserve_query_quant(CudaPlan& plan, const AttentionConfig& config);
 /// Builds the plan for `metadata` and `config` on a device with `num_sms` SMs holding
 /// `ctas_per_sm` CTAs of the kernel that will run (0 = unknown: no splitting).
 /// `route_rows`, `prefill_block_m` and `prefill_ctas_per_sm` as in SplitInputs.
+/// Throws NotSupported when a decoder request has fewer keys than query tokens (seq_len <
+/// query_len, FlashAttention's seqlen_q > seqlen_k, zero keys included): its first rows see no
+/// key under the bottom-right causal mask, and the kernels are not verified to write output 0
+/// and LSE -inf for such rows (ref and cpu serve them). Reads the host mirrors only.
+void refuse_rows_without_keys(const AttentionMetadata& metadata, const AttentionConfig& config);
 std::unique_ptr<CudaPlan> make_plan(const AttentionMetadata& metadata,
                                     const AttentionConfig& config, int num_sms, int ctas_per_sm,
                                     int route_rows = -1, int prefill_block_m = 128,

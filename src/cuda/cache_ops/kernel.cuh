@@ -110,9 +110,11 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
       const int h = c / chunks_per_head, d = (c - h * chunks_per_head) * kVec;
       write_chunk<kAct, kCache>(key + (h * p.key_stride_head + d) * kElemBytes<kAct>,
-                                k_row + (h * p.k_stride_head + d) * kElemBytes<kCache>, p.k_scale);
+                                k_row + (h * p.k_stride_head + d) * kElemBytes<kCache>,
+                                p.per_head_scales ? p.k_scales[h] : p.k_scale);
       write_chunk<kAct, kCache>(value + (h * p.value_stride_head + d) * kElemBytes<kAct>,
-                                v_row + (h * p.v_stride_head + d) * kElemBytes<kCache>, p.v_scale);
+                                v_row + (h * p.v_stride_head + d) * kElemBytes<kCache>,
+                                p.per_head_scales ? p.v_scales[h] : p.v_scale);
     }
     return;
   }
@@ -123,8 +125,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     float k = load_as_float<kAct>(key, h * p.key_stride_head + d);
     float v = load_as_float<kAct>(value, h * p.value_stride_head + d);
     if constexpr (kFp8) {
-      k = k / p.k_scale;
-      v = v / p.v_scale;
+      k = k / (p.per_head_scales ? p.k_scales[h] : p.k_scale);
+      v = v / (p.per_head_scales ? p.v_scales[h] : p.v_scale);
     }
     store_from_float<kCache>(k_row, h * p.k_stride_head + d, k);
     store_from_float<kCache>(v_row, h * p.v_stride_head + d, v);

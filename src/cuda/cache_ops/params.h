@@ -9,6 +9,10 @@ namespace pagedattn::cuda::cache_ops {
 /// (h, d) of its key lands at k_cache[s / block_size][s % block_size][h][d], through the
 /// strides below (in elements), converted to the cache dtype. Every tensor's head dimension is
 /// contiguous.
+/// Per-KV-head scales travel by value in the params (no device buffer to upload, keep alive or
+/// capture in a CUDA graph); 2 x 256 floats keep the struct well under the 4 KB parameter limit.
+constexpr int kMaxHeadScales = 256;
+
 struct WriteKVParams {
   const void* key;  ///< [>= num_slots, num_kv_heads, head_size], activation dtype
   int64_t key_stride_token, key_stride_head;
@@ -22,7 +26,9 @@ struct WriteKVParams {
   int64_t v_stride_block, v_stride_page, v_stride_head;
   int num_slots, num_kv_heads, head_size, block_size;
   float k_scale, v_scale;  ///< fp8 caches store saturate(x / scale); ignored otherwise
-  int vectorized;          ///< 1: every row and base is aligned for kVec-element accesses
+  int per_head_scales;     ///< 1: head h uses k_scales[h] / v_scales[h] instead
+  float k_scales[kMaxHeadScales], v_scales[kMaxHeadScales];
+  int vectorized;  ///< 1: every row and base is aligned for kVec-element accesses
 };
 
 }  // namespace pagedattn::cuda::cache_ops

@@ -65,6 +65,12 @@ class CudaRuntime final : public DeviceRuntime {
     DeviceGuard guard(index);
     PAGEDATTN_CUDA_CHECK(cudaMemset(dst, byte, bytes));
   }
+  void memset_async(void* dst, int byte, size_t bytes, int index, Stream stream) override {
+    if (bytes == 0) return;
+    DeviceGuard guard(index);
+    PAGEDATTN_CUDA_CHECK(
+        cudaMemsetAsync(dst, byte, bytes, static_cast<cudaStream_t>(stream.handle)));
+  }
   void copy_2d_async(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                      size_t row_bytes, size_t rows, int index, Stream stream) override {
     if (rows == 0 || row_bytes == 0) return;
