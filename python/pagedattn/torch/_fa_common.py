@@ -301,6 +301,10 @@ def varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.T
     if not causal and right >= 0 and right >= int(max_q) - 1:
         direct_right = -1  # every query's bound lies past its request's last key
     direct = (seqused_q is None and chunk == 0 and (causal or direct_right < 0))
+    if direct and causal and q.is_cuda and alibi_slopes is None:
+        # The cuda backend refuses causal requests with more queries than keys (rows that see
+        # no key); virtual requests never have them, so such a batch goes that way (a sync).
+        direct = not _starved(cu_q, cu_k, seqused_k)
     if direct:
         if seqused_k is None and block_table is not None:
             seqused_k = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
@@ -342,6 +346,17 @@ def varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.T
     else:
         out.copy_(res)
     return out, lse
+
+
+def _starved(cu_q: torch.Tensor, cu_k: Optional[torch.Tensor],
+             seqused_k: Optional[torch.Tensor]) -> bool:
+    """Whether some request has more queries than keys (read on the host)."""
+    k_lens = seqused_k if seqused_k is not None else (
+        cu_k[1:] - cu_k[:-1] if cu_k is not None else None)
+    if k_lens is None:
+        return False
+    q_lens = cu_q[1:] - cu_q[:-1]
+    return bool((q_lens.to(k_lens.device) > k_lens).any())
 
 
 def _uniform(s) -> bool:
