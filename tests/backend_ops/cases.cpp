@@ -420,6 +420,31 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
     c.scale = 0;
     m.add("heads", c, mixed_batch(), 1);
   }
+  // Head sizes off the multiples of 16 (SigLIP's 72, FlashAttention's any size up to 256) and
+  // small ones: vector loops with a tail. Decode, prefill and mixed steps, bf16 and fp8 caches,
+  // GQA 4; few tokens, so that they stay cheap.
+  for (int d : {8, 32, 40, 59, 72, 80, 111, 160, 224, 256}) {
+    for (KVCacheDType kv : {KVCacheDType::kAuto, KVCacheDType::kFp8E4M3}) {
+      AttentionConfig c = base;
+      c.head_size = d;
+      c.kv_cache_dtype = kv;
+      c.scale = 0;
+      m.add("any_head", c, {{40, 1}, {0, 1}, {70, 1}});             // decode
+      m.add("any_head", c, {{0, 21}, {0, 70}});                     // prefill (many-row tiles)
+      m.add("any_head", c, {{0, 9}, {33, 1}, {20, 3}, {0, 0}}, 1);  // mixed
+    }
+  }
+  // The merge of split keys, and the encoder (no cache: MultiHeadAttention) path, at 72 and 59.
+  for (int d : {72, 59}) {
+    AttentionConfig c = base;
+    c.head_size = d;
+    c.num_kv_heads = 1;
+    c.scale = 0;
+    m.add("any_head", c, {{1500, 1}, {900, 2}});
+    c.num_kv_heads = 2;
+    c.attn_type = AttentionType::kEncoderOnly;
+    m.add("any_head", c, {{0, 19}, {0, 1}, {0, 40}});
+  }
   return m.take();
 }
 
