@@ -47,6 +47,9 @@ struct AttentionOptions {
   /// The seed's query_quant (AttentionConfig::query_quant): quantise the query to fp8 e4m3 with
   /// q_scale() and let the backend compute in fp8. Needs an fp8 / fp8_e4m3 cache.
   bool quantize_query = false;
+  /// V's head size where it differs from head_size (AttentionConfig::v_head_size): value and
+  /// output rows are num_heads x v_head_size. 0 = head_size.
+  int v_head_size = 0;
 };
 
 /// Scales from one batch (vLLM's calc_kv_scales): q = max|q| / 200, k = max|k| / 200,
@@ -102,10 +105,11 @@ class Attention {
 
   /// Output-buffer mode: query [T, num_heads*head_size] or [T, num_heads, head_size]; key and
   /// value [T_kv, num_kv_heads*head_size] (or 3-D) or undefined views (None); output like
-  /// query. Writes rows [0, T_a); optional lse float32 [num_heads, T].
+  /// query. Writes rows [0, T_a); optional lse float32 [num_heads, T]. With a v_head_size,
+  /// value and output have that head size instead.
   void forward(const TensorView& query, const TensorView& key, const TensorView& value,
                const TensorView& output, const TensorView& lse = {});
-  /// Allocating mode: returns output [T, num_heads*head_size] in the query dtype.
+  /// Allocating mode: returns output [T, num_heads*head_size_v] in the query dtype.
   Tensor forward(const TensorView& query, const TensorView& key, const TensorView& value);
 
  private:

@@ -95,6 +95,7 @@ AttentionParams make_params(const AttentionConfig& c, const ForwardArgs& a) {
   p.num_heads = c.num_heads;
   p.num_kv_heads = c.num_kv_heads;
   p.head_size = c.head_size;
+  p.v_head_size = c.head_size_v();
   p.scale = c.scale;
   p.soft_cap = c.logits_soft_cap.value_or(0.0f);
   p.alibi = c.has_alibi() ? c.alibi_slopes.data() : nullptr;
@@ -115,6 +116,7 @@ class CpuImpl final : public AttentionImpl {
     const bool fp8 = is_fp8(config_.kv_cache_dtype);
     const int64_t num_slots = a.slot_mapping.size(0);
     const int bs = c.block_size(), heads = c.num_kv_heads(), d = c.head_size();
+    const int dv = c.head_size_v();
     const auto* slots = static_cast<const int64_t*>(a.slot_mapping.data);
     const size_t in_elem = dtype_size(a.key.dtype), cache_elem = dtype_size(c.key.dtype);
 #pragma omp parallel for schedule(static) if (num_slots * heads * d > (1 << 16))
@@ -134,7 +136,7 @@ class CpuImpl final : public AttentionImpl {
                    cache_elem * size_t(block * c.value.stride(0) + offset * c.value.stride(1) +
                                        h * c.value.stride(2));
         convert_row(ks, a.key.dtype, kd, c.key.dtype, d, fp8 ? a.scales.k_scale : 1.0f);
-        convert_row(vs, a.value.dtype, vd, c.value.dtype, d, fp8 ? a.scales.v_scale : 1.0f);
+        convert_row(vs, a.value.dtype, vd, c.value.dtype, dv, fp8 ? a.scales.v_scale : 1.0f);
       }
     }
   }

@@ -696,7 +696,7 @@ template <class KV>
 void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffers& partials) {
   const DF df;
   const int d_size = p.head_size;
-  const int dv = d_size;
+  const int dv = p.v_head_size > 0 ? p.v_head_size : d_size;
   const int group = p.num_heads / p.num_kv_heads;
   const int r = w.request;
   const int64_t q0 = p.query_start_loc[r];
@@ -709,7 +709,7 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
   const int rows = per_head * heads;
   // Float scratch rows are padded to whole vectors with zeros, so that every head size runs the
   // vector loops: ld for Q, ldv for O and the converted V rows.
-  const int ld = PaddedCols(d_size), ldv = ld;
+  const int ld = PaddedCols(d_size), ldv = PaddedCols(dv);
   Scratch& sc = ThreadScratch();
   sc.reserve(rows, ld);
   float* q = sc.q.data();
@@ -891,7 +891,7 @@ void MergeSplits(const AttentionParams& p, const WorkItem& w, int first, int cou
                  const PartialBuffers& partials) {
   const DF df;
   const int N = int(hn::Lanes(df));
-  const int d_size = p.head_size;
+  const int d_size = p.v_head_size > 0 ? p.v_head_size : p.head_size;  // the partials' width
   const int group = p.num_heads / p.num_kv_heads;
   const RowMap map{group, w.q_end - w.q_begin, w.kv_head};
   const int rows = map.rows_per_head() * w.num_kv_heads;
