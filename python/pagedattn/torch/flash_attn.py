@@ -124,7 +124,10 @@ def flash_attn_varlen_func(
     pagedattn extensions (keyword-only): ``cu_seqlens_q_cpu`` / ``seqused_k_cpu`` host copies
     that let the CUDA backend plan KV splits, ``backend`` to force one by name.
 
-    Returns ``out`` (``[total_q, num_heads, head_size]``), or ``(out, softmax_lse)`` with
+    v may have a head size of its own, ``dv <= head_size`` (FlashAttention 3's dv; vLLM's MLA
+    prefill passes Q/K 192 and V 128): served by the cpu and ref backends, refused by cuda.
+
+    Returns ``out`` (``[total_q, num_heads, dv]``), or ``(out, softmax_lse)`` with
     ``softmax_lse`` float32 ``[num_heads, total_q]`` when ``return_softmax_lse``.
     """
     if dropout_p != 0.0:
@@ -167,7 +170,7 @@ def flash_attn_varlen_func(
             raise _C.InvalidArgument("seqused_k (or cu_seqlens_k) is required")
         seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
     if out is None:
-        out = torch.empty_like(q)
+        out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     # Descales [batch, num_kv_heads] (or [num_kv_heads]) of differing values go to the backend
     # per head; those that serve them (ref, cpu) do, the others refuse with their reason.
