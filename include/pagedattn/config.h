@@ -47,7 +47,7 @@ KVCacheLayout parse_kv_cache_layout(std::string_view name);
 /// Validated once by validate(); backends then trust it.
 struct AttentionConfig {
   int num_heads = 0;                     ///< query heads on this rank
-  int head_size = 0;                     ///< Q, K and V head size
+  int head_size = 0;                     ///< Q and K head size (and V's unless v_head_size)
   float scale = 0.0f;                    ///< multiplies q.k before soft cap, mask and softmax
   int num_kv_heads = 0;                  ///< divides num_heads; 1 = MQA
   std::optional<int> sliding_window;     ///< tokens visible, the current one included
@@ -64,7 +64,13 @@ struct AttentionConfig {
   /// result is attention(q8 * q_scale, K, V). A backend may then also run P V in fp8 (P rounded
   /// to e4m3). Needs an fp8 / fp8_e4m3 cache.
   bool query_quant = false;
+  /// V's head size where it differs from Q/K's (FlashAttention's dv, e.g. MLA prefill's 192 / 128):
+  /// 1..head_size; 0 = head_size. The output is then [num_tokens, num_heads, v_head_size] and the
+  /// cache keeps K and V in separate views (KVCache).
+  int v_head_size = 0;
 
+  /// V's (and the output's) head size: v_head_size, or head_size when 0.
+  int head_size_v() const { return v_head_size > 0 ? v_head_size : head_size; }
   int num_queries_per_kv() const { return num_kv_heads > 0 ? num_heads / num_kv_heads : 0; }
   DType cache_dtype() const { return kv_cache_storage_dtype(kv_cache_dtype, dtype); }
   bool has_alibi() const { return !alibi_slopes.empty(); }

@@ -16,15 +16,20 @@ namespace pagedattn {
 /// contiguous (stride(3) == 1); NHD has stride(1) = num_kv_heads*head_size, HND has
 /// stride(2) = block_size*head_size. fp8 caches are kFp8E4M3 / kFp8E5M2 (or uint8 bytes seen
 /// through the cache dtype).
+///
+/// With a V head size of its own (AttentionConfig::v_head_size) value is [num_blocks,
+/// block_size, num_kv_heads, v_head_size]: K and V are then separate views, never one combined
+/// tensor.
 struct KVCacheView {
   TensorView key;    ///< [num_blocks, block_size, num_kv_heads, head_size]
-  TensorView value;  ///< [num_blocks, block_size, num_kv_heads, head_size]
+  TensorView value;  ///< [num_blocks, block_size, num_kv_heads, head_size (or v_head_size)]
 
   bool defined() const { return key.defined(); }
   int64_t num_blocks() const { return key.size(0); }
   int block_size() const { return int(key.size(1)); }
   int num_kv_heads() const { return int(key.size(2)); }
   int head_size() const { return int(key.size(3)); }
+  int head_size_v() const { return int(value.size(3)); }
   DType dtype() const { return key.dtype; }
   Device device() const { return key.device; }
 
@@ -76,15 +81,24 @@ class KVCache {
  public:
   KVCache() = default;
   /// Allocates (zero-filled) [num_blocks, 2, block_size, num_kv_heads, head_size] of `dtype`
-  /// in `layout` on `device`.
+  /// in `layout` on `device`. A v_head_size other than 0 and head_size gives separate K
+  /// [..., head_size] and V [..., v_head_size] views of one allocation instead: each block holds
+  /// its K page then its V page (block_size * num_kv_heads * (head_size + v_head_size)
+  /// elements), each page in `layout`.
   static KVCache allocate(int64_t num_blocks, int block_size, int num_kv_heads, int head_size,
-                          DType dtype, KVCacheLayout layout, Device device = {});
-  /// A cache for `config` with `num_blocks` blocks.
+                          DType dtype, KVCacheLayout layout, Device device = {},
+                          int v_head_size = 0);
+  /// A cache for `config` with `num_blocks` blocks (V of config.head_size_v()).
   static KVCache allocate(const AttentionConfig& config, int64_t num_blocks, Device device = {});
 
   /// The logical [num_blocks, 2, block_size, num_kv_heads, head_size] view (strided for HND).
-  const TensorView& tensor() const { return combined_; }
-  KVCacheView view() const { return KVCacheView::from_combined(combined_); }
+  /// A cache whose V head size differs from K's has no such tensor: throws InvalidArgument
+  /// (use view()).
+  const TensorView& tensor() const;
+  /// K and V views (of tensor(), or the separate ones).
+  KVCacheView view() const;
+  /// True when V's head size differs from K's (no combined tensor()).
+  bool split() const { return split_.defined(); }
   KVCacheLayout layout() const { return layout_; }
   const Tensor& storage() const { return storage_; }
   bool defined() const { return storage_.defined(); }
@@ -92,8 +106,15 @@ class KVCache {
  private:
   Tensor storage_;
   TensorView combined_;
+  KVCacheView split_;  // defined only when V's head size differs from K's
   KVCacheLayout layout_ = KVCacheLayout::kNHD;
 };
+
+/// The K and V views of a cache whose V head size differs from K's, from its storage
+/// [num_blocks, block_size * num_kv_heads * (head_size + v_head_size)] as KVCache::allocate lays
+/// it out: each block's K page, then its V page, each page in `layout`.
+KVCacheView split_cache_view(const TensorView& storage, int block_size, int num_kv_heads,
+                             int head_size, int v_head_size, KVCacheLayout layout);
 
 /// The layout a cache view's strides describe (HND when the head stride is not head_size).
 KVCacheLayout layout_of(const KVCacheView& cache);

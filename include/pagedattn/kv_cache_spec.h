@@ -34,6 +34,12 @@ struct KVCacheSpec {
   int head_size = 0;                                       ///< MLA: kv_lora_rank + qk_rope_head_dim
   DType dtype = DType::kBF16;                              ///< storage type (one byte for fp8)
   std::optional<int> sliding_window;  ///< kSlidingWindow (recorded on kFullAttention too)
+  /// V's head size where it differs from K's (AttentionConfig::v_head_size): 1..head_size, or
+  /// 0 = head_size. Not for MLA.
+  int v_head_size = 0;
+
+  /// V's head size: v_head_size, or head_size when 0.
+  int head_size_v() const { return v_head_size > 0 ? v_head_size : head_size; }
 
   /// Full attention (decoder self-attention without a window).
   static KVCacheSpec full(int block_size, int num_kv_heads, int head_size, DType dtype);
@@ -45,14 +51,14 @@ struct KVCacheSpec {
   /// Cross attention: the encoder K/V of an encoder-decoder model.
   static KVCacheSpec cross(int block_size, int num_kv_heads, int head_size, DType dtype);
 
-  /// Bytes of one block: 2 * block_size * num_kv_heads * head_size * dtype bytes (no factor 2
-  /// for MLA).
+  /// Bytes of one block: block_size * num_kv_heads * (head_size + head_size_v()) * dtype bytes
+  /// (MLA: block_size * head_size * dtype bytes, one latent entry).
   int64_t page_size_bytes() const;
   /// Bytes one request at the maximum length can pin in this layer (spec 7.1).
   int64_t max_memory_usage_bytes(const SchedulerLimits& limits) const;
   /// Throws InvalidArgument naming the field when a size is not positive, an MLA spec has
-  /// num_kv_heads != 1, a sliding window is < 1 or the dtype is not a cache type (a floating
-  /// type or uint8).
+  /// num_kv_heads != 1, a sliding window is < 1, v_head_size is outside 0..head_size (0 for
+  /// MLA) or the dtype is not a cache type (a floating type or uint8).
   void validate() const;
   /// Field-wise equality (the recorded sliding_window included).
   friend bool operator==(const KVCacheSpec&, const KVCacheSpec&) = default;

@@ -50,6 +50,9 @@ struct AttentionOptions {
   /// Calibrate one k, v and q scale per KV head (q over the query heads of its group) instead
   /// of one per tensor (calculate_kv_scales); the layer's kv_scales() then carry vectors.
   bool per_head_kv_scales = false;
+  /// V's head size where it differs from head_size (AttentionConfig::v_head_size): value and
+  /// output rows are num_heads x v_head_size. 0 = head_size.
+  int v_head_size = 0;
 };
 
 /// Scales from one batch (vLLM's calc_kv_scales): q = max|q| / 200, k = max|k| / 200,
@@ -120,14 +123,15 @@ class Attention {
 
   /// Output-buffer mode: query [T, num_heads*head_size] or [T, num_heads, head_size]; key and
   /// value [T_kv, num_kv_heads*head_size] (or 3-D) or undefined views (None); output like
-  /// query. Writes rows [0, T_a); optional lse float32 [num_heads, T]. Every device operation
-  /// (the cache write, the attention, a profiling step's zeroing) is enqueued on `stream` (a
-  /// cudaStream_t for CUDA tensors; default: the legacy default stream) and nothing waits for
-  /// it, so a decode step can be captured in a CUDA graph once the context's plan and
-  /// workspace exist (the step's first forward builds them: run it eagerly first).
+  /// query. Writes rows [0, T_a); optional lse float32 [num_heads, T]. With a v_head_size,
+  /// value and output have that head size instead. Every device operation (the cache write,
+  /// the attention, a profiling step's zeroing) is enqueued on `stream` (a cudaStream_t for
+  /// CUDA tensors; default: the legacy default stream) and nothing waits for it, so a decode
+  /// step can be captured in a CUDA graph once the context's plan and workspace exist (the
+  /// step's first forward builds them: run it eagerly first).
   void forward(const TensorView& query, const TensorView& key, const TensorView& value,
                const TensorView& output, const TensorView& lse = {}, Stream stream = {});
-  /// Allocating mode: returns output [T, num_heads*head_size] in the query dtype, zeroed on
+  /// Allocating mode: returns output [T, num_heads*head_size_v] in the query dtype, zeroed on
   /// `stream` before the attention (rows [T_a, T) stay 0). Allocates: not for graph capture.
   Tensor forward(const TensorView& query, const TensorView& key, const TensorView& value,
                  Stream stream = {});

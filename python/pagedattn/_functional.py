@@ -52,6 +52,7 @@ def _config_key(config: _C.AttentionConfig) -> tuple:
         config.kv_cache_dtype,
         config.kv_cache_layout,
         config.block_size,
+        config.v_head_size,
     )
 
 
@@ -139,6 +140,9 @@ def write_kv(
     """
     key_dtype, _, _ = _C.array_info(key)
     cache_dtype, (_, block_size, num_kv_heads, head_size), device = _cache_info(kv_cache)
+    # A (key_cache, value_cache) pair may hold V of a head size of its own.
+    v_head_size = (_C.array_info(kv_cache[1])[1][-1]
+                   if isinstance(kv_cache, (tuple, list)) else head_size)
     if kv_cache_dtype == "auto" and cache_dtype != key_dtype:
         if cache_dtype not in ("float32", "float16", "bfloat16"):
             raise _C.InvalidArgument(
@@ -154,6 +158,8 @@ def write_kv(
         kv_cache_dtype=kv_cache_dtype,
         block_size=block_size,
     )
+    if v_head_size != head_size:
+        config.v_head_size = v_head_size
     impl = get_impl(config, device, backend)
     if stream is None:
         stream = current_stream(key, kv_cache)

@@ -136,6 +136,9 @@ void bind_config(nb::module_& m) {
           })
       .def_rw("block_size", &AttentionConfig::block_size)
       .def_rw("query_quant", &AttentionConfig::query_quant)
+      .def_rw("v_head_size", &AttentionConfig::v_head_size,
+              "V's head size where it differs from head_size (1..head_size; 0 = head_size).")
+      .def_prop_ro("head_size_v", &AttentionConfig::head_size_v)
       .def_prop_ro("num_queries_per_kv", &AttentionConfig::num_queries_per_kv)
       .def_prop_ro(
           "cache_dtype",

@@ -88,8 +88,8 @@ void copy_block(const KVCacheView& cache, int64_t block, char* packed) {
 }  // namespace
 
 size_t block_bytes(const KVCacheView& cache) {
-  return 2 * size_t(cache.block_size()) * size_t(cache.num_kv_heads()) * size_t(cache.head_size()) *
-         dtype_size(cache.dtype());
+  return size_t(cache.block_size()) * size_t(cache.num_kv_heads()) *
+         size_t(cache.head_size() + cache.head_size_v()) * dtype_size(cache.dtype());
 }
 
 void gather_block(const KVCacheView& cache, int64_t block, void* dst) {

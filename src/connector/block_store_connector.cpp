@@ -318,6 +318,10 @@ void BlockStoreConnector::start_load_kv(ForwardContext& context) {
     const Attention* layer = context.layer(c.layers[i].name);
     if (layer == nullptr) continue;
     const KVCacheView cache = layer->kv_cache();
+    require<NotSupported>(cache.head_size_v() == cache.head_size(), "start_load_kv: layer ",
+                          c.layers[i].name, " has V of head size ", cache.head_size_v(),
+                          " and K of ", cache.head_size(),
+                          "; the KV connectors store K and V of one head size");
     require(cache.block_size() == c.block_size && cache.num_kv_heads() == c.num_kv_heads &&
                 cache.head_size() == c.head_size && cache.dtype() == c.cache_dtype,
             "start_load_kv: layer ", c.layers[i].name, " has a cache of block size ",
@@ -493,6 +497,10 @@ void BlockStoreConnector::save_kv_layer(std::string_view layer_name, const KVCac
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (saves_.empty() || layer_saved_[size_t(i)]) return;
+    require<NotSupported>(kv_layer.head_size_v() == kv_layer.head_size(), "save_kv_layer: layer ",
+                          layer_name, " has V of head size ", kv_layer.head_size_v(), " and K of ",
+                          kv_layer.head_size(),
+                          "; the KV connectors store K and V of one head size");
     require(kv_layer.block_size() == c.block_size && kv_layer.num_kv_heads() == c.num_kv_heads &&
                 kv_layer.head_size() == c.head_size && kv_layer.dtype() == c.cache_dtype,
             "save_kv_layer: layer ", layer_name, " has a cache of block size ",

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "pagedattn/error.h"
 
@@ -98,15 +99,17 @@ void require_tensor(const TensorView& v, std::string_view name, std::initializer
 }
 
 void require_cache(const AttentionConfig& cfg, const KVCacheView& c, Device device) {
-  const std::string dims =
-      detail::cat("[num_blocks, block_size=", cfg.block_size, ", num_kv_heads=", cfg.num_kv_heads,
-                  ", head_size=", cfg.head_size, "]");
   const DType dtype = cfg.cache_dtype();
   require(c.key.defined() && c.value.defined(), "kv_cache is required for ",
           to_string(cfg.attn_type), " attention");
-  for (const auto& [view, name] : {std::pair{c.key, "kv_cache.key"}, {c.value, "kv_cache.value"}}) {
-    require_tensor(view, name, {-1, cfg.block_size, cfg.num_kv_heads, cfg.head_size}, dtype, device,
-                   dims);
+  for (const auto& [view, name, size, size_name] :
+       {std::tuple{c.key, "kv_cache.key", cfg.head_size, "head_size"},
+        {c.value, "kv_cache.value", cfg.head_size_v(),
+         cfg.head_size_v() == cfg.head_size ? "head_size" : "v_head_size"}}) {
+    const std::string dims =
+        detail::cat("[num_blocks, block_size=", cfg.block_size, ", num_kv_heads=", cfg.num_kv_heads,
+                    ", ", size_name, "=", size, "]");
+    require_tensor(view, name, {-1, cfg.block_size, cfg.num_kv_heads, size}, dtype, device, dims);
   }
   require(c.key.size(0) == c.value.size(0), "kv_cache.key has ", c.key.size(0),
           " blocks but kv_cache.value has ", c.value.size(0));
@@ -141,6 +144,18 @@ void require_scales(const std::vector<float>& v, const char* name, int num_kv_he
   }
 }
 
+// New keys [num_tokens, num_kv_heads, head_size] and values [..., v_head_size].
+void require_kv_inputs(const AttentionConfig& cfg, const TensorView& key, const TensorView& value,
+                       Device device) {
+  const int dv = cfg.head_size_v();
+  require_tensor(key, "key", {-1, cfg.num_kv_heads, cfg.head_size}, cfg.dtype, device,
+                 detail::cat("[num_tokens, num_kv_heads=", cfg.num_kv_heads,
+                             ", head_size=", cfg.head_size, "]"));
+  require_tensor(value, "value", {-1, cfg.num_kv_heads, dv}, cfg.dtype, device,
+                 detail::cat("[num_tokens, num_kv_heads=", cfg.num_kv_heads, ", ",
+                             dv == cfg.head_size ? "head_size" : "v_head_size", "=", dv, "]"));
+}
+
 }  // namespace
 
 void check_forward_args(const AttentionConfig& cfg, const ForwardArgs& a, bool check_metadata) {
@@ -154,12 +169,13 @@ void check_forward_args(const AttentionConfig& cfg, const ForwardArgs& a, bool c
   require(md.num_actual_tokens <= num_tokens, "metadata.num_actual_tokens (", md.num_actual_tokens,
           ") exceeds the query's ", num_tokens, " rows");
   require(a.output.defined(), "output is required");
+  const int dv = cfg.head_size_v();
+  const char* dv_name = dv == cfg.head_size ? "head_size" : "v_head_size";
   require(a.output.ndim == 3 && a.output.size(0) >= md.num_actual_tokens &&
-              a.output.size(1) == cfg.num_heads && a.output.size(2) >= 1 &&
-              a.output.size(2) <= cfg.head_size,
+              a.output.size(1) == cfg.num_heads && a.output.size(2) >= 1 && a.output.size(2) <= dv,
           "output must be [>= num_actual_tokens (", md.num_actual_tokens,
-          "), num_heads=", cfg.num_heads, ", head_size=", cfg.head_size,
-          " (or 1..head_size leading columns of P V)]; got ", describe(a.output));
+          "), num_heads=", cfg.num_heads, ", ", dv_name, "=", dv, " (or 1..", dv_name,
+          " leading columns of P V)]; got ", describe(a.output));
   require(is_floating(a.output.dtype) && !is_fp8(a.output.dtype),
           "output must be a float type; got ", describe(a.output));
   require(a.output.device == device, "output is on ", to_string(a.output.device), "; expected ",
@@ -188,11 +204,7 @@ void check_forward_args(const AttentionConfig& cfg, const ForwardArgs& a, bool c
     require_cache(cfg, a.kv_cache, device);
     geometry = {a.kv_cache.num_blocks(), a.kv_cache.block_size()};
   } else {
-    const std::string kv_dims = detail::cat("[num_tokens, num_kv_heads=", cfg.num_kv_heads,
-                                            ", head_size=", cfg.head_size, "]");
-    require_tensor(a.key, "key", {-1, cfg.num_kv_heads, cfg.head_size}, cfg.dtype, device, kv_dims);
-    require_tensor(a.value, "value", {-1, cfg.num_kv_heads, cfg.head_size}, cfg.dtype, device,
-                   kv_dims);
+    require_kv_inputs(cfg, a.key, a.value, device);
     require(a.key.size(0) >= md.num_actual_tokens && a.value.size(0) >= md.num_actual_tokens,
             "key and value need num_actual_tokens (", md.num_actual_tokens, ") rows for ",
             to_string(cfg.attn_type), " attention; got ", a.key.size(0), " and ", a.value.size(0));
@@ -205,11 +217,7 @@ void check_write_kv_args(const AttentionConfig& cfg, const WriteKVArgs& a, bool 
           " attention has no KV cache to write");
   const Device device = a.kv_cache.key.device;
   require_cache(cfg, a.kv_cache, device);
-  const std::string kv_dims = detail::cat("[num_tokens, num_kv_heads=", cfg.num_kv_heads,
-                                          ", head_size=", cfg.head_size, "]");
-  require_tensor(a.key, "key", {-1, cfg.num_kv_heads, cfg.head_size}, cfg.dtype, device, kv_dims);
-  require_tensor(a.value, "value", {-1, cfg.num_kv_heads, cfg.head_size}, cfg.dtype, device,
-                 kv_dims);
+  require_kv_inputs(cfg, a.key, a.value, device);
   require_tensor(a.slot_mapping, "slot_mapping", {-1}, DType::kI64, device, "[num_slots]");
   const int64_t num_slots = a.slot_mapping.size(0);
   require(a.key.size(0) >= num_slots && a.value.size(0) >= num_slots, "key and value have ",

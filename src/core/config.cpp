@@ -95,6 +95,8 @@ void AttentionConfig::validate() const {
   require(num_heads % num_kv_heads == 0, "num_heads (", num_heads,
           ") is not divisible by num_kv_heads (", num_kv_heads, ")");
   require(head_size > 0, "head_size (", head_size, ") must be > 0");
+  require(v_head_size >= 0 && v_head_size <= head_size, "v_head_size (", v_head_size,
+          ") must be 1..head_size (", head_size, "), or 0 for head_size");
   require(std::isfinite(scale) && scale > 0.0f, "scale (", scale, ") must be finite and > 0");
   if (sliding_window) {
     require(*sliding_window >= 1, "sliding_window (", *sliding_window,

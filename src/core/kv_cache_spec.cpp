@@ -53,6 +53,10 @@ void KVCacheSpec::validate() const {
   require(head_size > 0, "KVCacheSpec.head_size (", head_size, ") must be > 0");
   require(kind != KVCacheSpecKind::kMLA || num_kv_heads == 1, "KVCacheSpec.num_kv_heads (",
           num_kv_heads, ") must be 1 for an MLA spec");
+  require(v_head_size >= 0 && v_head_size <= head_size, "KVCacheSpec.v_head_size (", v_head_size,
+          ") must be 1..head_size (", head_size, "), or 0 for head_size");
+  require(kind != KVCacheSpecKind::kMLA || v_head_size == 0, "KVCacheSpec.v_head_size (",
+          v_head_size, ") must be 0 for an MLA spec (one latent entry, no separate V)");
   require(is_floating(dtype) || dtype == DType::kU8, "KVCacheSpec.dtype (", dtype_name(dtype),
           ") must be a floating type or uint8");
   if (kind == KVCacheSpecKind::kSlidingWindow) {
@@ -64,15 +68,17 @@ void KVCacheSpec::validate() const {
             ") must be >= 1");
   }
   require(page_size_bytes() < kSaturated, "KVCacheSpec page (block_size ", block_size,
-          " x num_kv_heads ", num_kv_heads, " x head_size ", head_size, " x ", dtype_size(dtype),
-          " bytes", kind == KVCacheSpecKind::kMLA ? "" : " x 2 for K and V",
-          ") does not fit in int64 bytes");
+          " x num_kv_heads ", num_kv_heads, " x head_size ", head_size,
+          kind == KVCacheSpecKind::kMLA ? "" : cat(" + v head_size ", head_size_v()), " x ",
+          dtype_size(dtype), " bytes) does not fit in int64 bytes");
 }
 
 int64_t KVCacheSpec::page_size_bytes() const {
-  const int64_t per_token = sat_mul(sat_mul(num_kv_heads, head_size), int64_t(dtype_size(dtype)));
-  const int64_t kv_factor = kind == KVCacheSpecKind::kMLA ? 1 : 2;  // MLA: one latent entry
-  return sat_mul(sat_mul(kv_factor, block_size), per_token);
+  // MLA: one latent entry; otherwise K and V, whose head sizes may differ.
+  const int64_t width =
+      kind == KVCacheSpecKind::kMLA ? int64_t(head_size) : sat_add(head_size, head_size_v());
+  const int64_t per_token = sat_mul(sat_mul(num_kv_heads, width), int64_t(dtype_size(dtype)));
+  return sat_mul(block_size, per_token);
 }
 
 int64_t KVCacheSpec::max_memory_usage_bytes(const SchedulerLimits& limits) const {
@@ -114,6 +120,7 @@ std::string describe(const KVCacheSpec& spec) {
                       ", num_kv_heads=", spec.num_kv_heads, ", head_size=", spec.head_size,
                       ", dtype=", dtype_name(spec.dtype));
   if (spec.sliding_window) s += cat(", sliding_window=", *spec.sliding_window);
+  if (spec.v_head_size > 0) s += cat(", v_head_size=", spec.v_head_size);
   return s + ")";
 }
 

@@ -33,6 +33,7 @@ AttentionConfig make_config(const AttentionOptions& o) {
   c.kv_cache_layout = cache.layout;
   c.block_size = cache.block_size;
   c.query_quant = o.quantize_query;
+  c.v_head_size = o.v_head_size;
   return c;
 }
 
@@ -131,6 +132,7 @@ std::string Attention::extra_repr() const {
   os << "head_size=" << config_.head_size << ", num_heads=" << config_.num_heads
      << ", num_kv_heads=" << config_.num_kv_heads << ", scale=" << config_.scale
      << ", backend=" << backend_->name();
+  if (config_.head_size_v() != config_.head_size) os << ", v_head_size=" << config_.v_head_size;
   return os.str();
 }
 
@@ -138,18 +140,22 @@ std::optional<KVCacheSpec> Attention::get_kv_cache_spec() const {
   if (kv_sharing_target_) return std::nullopt;  // the target's spec covers both layers
   const int bs = config_.block_size, hk = config_.num_kv_heads, d = config_.head_size;
   const DType dt = config_.cache_dtype();
+  std::optional<KVCacheSpec> spec;
   switch (config_.attn_type) {
     case AttentionType::kEncoder:
     case AttentionType::kEncoderOnly:
       return std::nullopt;
     case AttentionType::kEncoderDecoder:
-      return KVCacheSpec::cross(bs, hk, d, dt);
+      spec = KVCacheSpec::cross(bs, hk, d, dt);
+      break;
     case AttentionType::kDecoder:
-      if (config_.sliding_window)
-        return KVCacheSpec::sliding(bs, hk, d, dt, *config_.sliding_window);
-      return KVCacheSpec::full(bs, hk, d, dt);
+      spec = config_.sliding_window ? KVCacheSpec::sliding(bs, hk, d, dt, *config_.sliding_window)
+                                    : KVCacheSpec::full(bs, hk, d, dt);
+      break;
   }
-  return std::nullopt;
+  // 0 when V's size is K's, so that such specs equal (and group with) those of other layers.
+  if (spec && config_.head_size_v() != d) spec->v_head_size = config_.head_size_v();
+  return spec;
 }
 
 const Attention& Attention::cache_owner() const {
@@ -307,10 +313,11 @@ void Attention::forward(const TensorView& query_in, const TensorView& key_in,
                         const TensorView& value_in, const TensorView& output_in,
                         const TensorView& lse, Stream stream) {
   const int hq = config_.num_heads, hk = config_.num_kv_heads, d = config_.head_size;
+  const int dv = config_.head_size_v();
   const TensorView query = as_heads(query_in, "query", hq, d);
   const TensorView key = as_heads(key_in, "key", hk, d);
-  const TensorView value = as_heads(value_in, "value", hk, d);
-  const TensorView output = as_heads(output_in, "output", hq, d);
+  const TensorView value = as_heads(value_in, "value", hk, dv);
+  const TensorView output = as_heads(output_in, "output", hq, dv);
   require(key.defined() == value.defined(), "key and value must both be given or both be None");
   require(output.defined() && output.dtype == query.dtype,
           "output must be given in the query "
@@ -377,8 +384,8 @@ void Attention::forward(const TensorView& query_in, const TensorView& key_in,
 Tensor Attention::forward(const TensorView& query, const TensorView& key, const TensorView& value,
                           Stream stream) {
   const int64_t rows = query.defined() ? query.size(0) : 0;
-  Tensor out = Tensor::empty({rows, int64_t(config_.num_heads) * config_.head_size}, query.dtype,
-                             query.device);
+  Tensor out = Tensor::empty({rows, int64_t(config_.num_heads) * config_.head_size_v()},
+                             query.dtype, query.device);
   // Zeroed on the stream, not with Tensor::zeros: that memset runs on the legacy default stream,
   // which a non-blocking `stream` does not wait for (padding rows past T_a are never written).
   const TensorView& o = out.view();

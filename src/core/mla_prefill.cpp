@@ -60,14 +60,15 @@ TensorView as_one_token_blocks(const TensorView& rows) {
   return v;
 }
 
-// K and V [T, N, P + R] in the activation dtype from latent rows [T, L + R] (kv_c | k_pe, float,
-// already rounded to the activation dtype): K = [kv_c W_UK | k_pe], V = [kv_c W_UV | 0]. The
-// zero columns let one head size serve Q/K and V (spec 5.4's padding); the layer drops them.
+// K [T, N, P + R] and V [T, N, v_width] in the activation dtype from latent rows [T, L + R]
+// (kv_c | k_pe, float, already rounded to the activation dtype): K = [kv_c W_UK | k_pe], V =
+// kv_c W_UV, followed by zero columns up to v_width = P + R for a backend that needs one head
+// size for Q/K and V (spec 5.4's padding; the layer drops them).
 void expand(const std::vector<float>& latent, int64_t num_tokens, const MLAOptions& o,
-            const MLAWeights& w, const TensorView& k, const TensorView& v) {
+            const MLAWeights& w, const TensorView& k, const TensorView& v, int v_width) {
   const int n = o.num_heads, p = o.qk_nope_head_dim, r = o.qk_rope_head_dim;
   const int vd = o.v_head_dim, l = o.kv_lora_rank, e = l + r, d = p + r;
-  std::vector<float> krow(static_cast<size_t>(d)), vrow(static_cast<size_t>(d), 0.0f);
+  std::vector<float> krow(static_cast<size_t>(d)), vrow(static_cast<size_t>(v_width), 0.0f);
   for (int64_t t = 0; t < num_tokens; ++t) {
     const float* lat = &latent[size_t(t) * size_t(e)];
     for (int h = 0; h < n; ++h) {
@@ -81,9 +82,8 @@ void expand(const std::vector<float>& latent, int64_t num_tokens, const MLAOptio
         for (int vi = 0; vi < vd; ++vi) vrow[size_t(vi)] += x * wv[vi];
       }
       std::copy(lat + l, lat + e, krow.begin() + p);
-      const int64_t base = (t * n + h) * d;
-      store_row(k.data, k.dtype, base, krow.data(), d);
-      store_row(v.data, v.dtype, base, vrow.data(), d);
+      store_row(k.data, k.dtype, (t * n + h) * d, krow.data(), d);
+      store_row(v.data, v.dtype, (t * n + h) * v_width, vrow.data(), v_width);
     }
   }
 }
@@ -223,6 +223,18 @@ MLAPrefill::MLAPrefill(const MLAOptions& o, const Backend& backend)
   causal_config_ = c;
   c.attn_type = AttentionType::kEncoderDecoder;
   context_config_ = c;
+  // V at its own head size where the backend serves it (no zero columns to compute and drop).
+  v_width_ = c.head_size;
+  if (o.v_head_dim > 0 && o.v_head_dim < c.head_size) {
+    AttentionConfig causal = causal_config_, ctx = context_config_;
+    causal.v_head_size = ctx.v_head_size = o.v_head_dim;
+    if (backend.check(BackendQuery{causal, o.device}).empty() &&
+        backend.check(BackendQuery{ctx, o.device}).empty()) {
+      causal_config_ = causal;
+      context_config_ = ctx;
+      v_width_ = o.v_head_dim;
+    }
+  }
   for (const AttentionConfig* cfg : {&causal_config_, &context_config_}) {
     cfg->validate();
     const std::vector<std::string> reasons = backend.check(BackendQuery{*cfg, o.device});
@@ -301,8 +313,9 @@ void MLAPrefill::forward(const TensorView& q, const TensorView& kv_c, const Tens
       }
     }
   }
-  Tensor k_new = Tensor::empty({tp, n, d}, act), v_new = Tensor::empty({tp, n, d}, act);
-  expand(latent, tp, o, w, k_new.view(), v_new.view());
+  const int dv = v_width_;
+  Tensor k_new = Tensor::empty({tp, n, d}, act), v_new = Tensor::empty({tp, n, dv}, act);
+  expand(latent, tp, o, w, k_new.view(), v_new.view(), dv);
 
   // Causal attention among each request's new tokens.
   std::vector<int64_t> key_begin, key_len;
@@ -310,7 +323,7 @@ void MLAPrefill::forward(const TensorView& q, const TensorView& kv_c, const Tens
     key_begin.push_back(pr.row_begin);
     key_len.push_back(pr.q_len);
   }
-  Tensor result = Tensor::empty({tp, n, d}, act);
+  Tensor result = Tensor::empty({tp, n, dv}, act);
   Tensor result_lse = Tensor::empty({n, tp}, DType::kF32);
   StepMetadata causal_md = one_token_block_step(reqs, key_begin, key_len, true);
   attend(causal_config_, *causal_impl_, causal_md, query.view(), k_new.view(), v_new.view(),
@@ -323,17 +336,17 @@ void MLAPrefill::forward(const TensorView& q, const TensorView& kv_c, const Tens
     // no keys in a chunk (output 0, LSE -inf, which the merges skip).
     const int64_t share = plan.context_share(o.context_chunk_tokens, cache.block_size());
     const int64_t num_chunks = (plan.max_context + share - 1) / share;
-    Tensor acc = Tensor::empty({tp, n, d}, act), acc_lse = Tensor::empty({n, tp}, DType::kF32);
-    Tensor part = Tensor::empty({tp, n, d}, act), part_lse = Tensor::empty({n, tp}, DType::kF32);
-    Tensor merged = Tensor::empty({tp, n, d}, act);
+    Tensor acc = Tensor::empty({tp, n, dv}, act), acc_lse = Tensor::empty({n, tp}, DType::kF32);
+    Tensor part = Tensor::empty({tp, n, dv}, act), part_lse = Tensor::empty({n, tp}, DType::kF32);
+    Tensor merged = Tensor::empty({tp, n, dv}, act);
     Tensor merged_lse = Tensor::empty({n, tp}, DType::kF32);
     for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
       std::vector<int64_t> begin;
       const int64_t num_keys = plan.chunk(chunk, share, begin, key_begin, key_len);
       gather_context(md, reqs, begin, key_len, cache, k_scale, act, latent);
       Tensor k_ctx = Tensor::empty({num_keys, n, d}, act);
-      Tensor v_ctx = Tensor::empty({num_keys, n, d}, act);
-      expand(latent, num_keys, o, w, k_ctx.view(), v_ctx.view());
+      Tensor v_ctx = Tensor::empty({num_keys, n, dv}, act);
+      expand(latent, num_keys, o, w, k_ctx.view(), v_ctx.view(), dv);
       const bool first = chunk == 0;
       StepMetadata chunk_md = one_token_block_step(reqs, key_begin, key_len, false);
       attend(context_config_, *context_impl_, chunk_md, query.view(), k_ctx.view(), v_ctx.view(),
@@ -359,7 +372,7 @@ void MLAPrefill::forward(const TensorView& q, const TensorView& kv_c, const Tens
         for (int c = 0; c < vd; ++c) {
           store_element(output.data, output.dtype,
                         dst * output.stride(0) + (int64_t(h) * vd + c) * output.stride(1),
-                        load_element(result.data(), act, (src * n + h) * d + c));
+                        load_element(result.data(), act, (src * n + h) * dv + c));
         }
       }
     }

@@ -115,6 +115,9 @@ class MLAPrefill {
   MLAOptions options_;
   const Backend* backend_ = nullptr;
   AttentionConfig causal_config_, context_config_;
+  // Width of the expanded V rows and of the attention output: v_head_dim where the backend
+  // serves a V head size of its own, else P + R (V zero-padded up to the Q/K size).
+  int v_width_ = 0;
   std::unique_ptr<AttentionImpl> causal_impl_, context_impl_;
 };
 

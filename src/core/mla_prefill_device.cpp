@@ -33,6 +33,9 @@ void MLAPrefill::forward_device(const TensorView& q, const TensorView& kv_c, con
                                 const TensorView& output, Stream stream) {
   const MLAOptions& o = options_;
   const int n = o.num_heads, p = o.qk_nope_head_dim, r = o.qk_rope_head_dim;
+  // MLADeviceOps::expand_kv pads V up to the Q/K size: device backends run that formulation.
+  require(v_width_ == p + r, "MLA prefill on the device needs V padded to the Q/K head size; ",
+          "backend '", backend_->name(), "' serves a V head size of its own on the host only");
   const int vd = o.v_head_dim, l = o.kv_lora_rank, e = l + r, d = p + r;
   const DType act = o.dtype;
   const Device dev = q.device;

@@ -32,8 +32,10 @@ void set_enabled(bool on) {
 
 namespace {
 
-// Largest head size the per-thread scratch is sized for (rows x head_size floats): MLA's
-// latent entry, kv_lora_rank + qk_rope_head_dim = 512 + 64 for DeepSeek-V3.
+// Largest head size served (any size up to it: the kernels pad their float scratch rows to
+// whole vectors and read each cache row's tail separately). The per-thread scratch grows with
+// rows x head_size floats; 576 is MLA's latent entry, kv_lora_rank + qk_rope_head_dim = 512 + 64
+// for DeepSeek-V3.
 constexpr int kMaxHeadSize = 576;
 
 int64_t elem_offset(const TensorView& v, int64_t i0, int64_t i1) {
@@ -97,6 +99,7 @@ AttentionParams make_params(const AttentionConfig& c, const ForwardArgs& a) {
   p.num_heads = c.num_heads;
   p.num_kv_heads = c.num_kv_heads;
   p.head_size = c.head_size;
+  p.v_head_size = c.head_size_v();
   p.scale = c.scale;
   p.soft_cap = c.logits_soft_cap.value_or(0.0f);
   p.alibi = c.has_alibi() ? c.alibi_slopes.data() : nullptr;
@@ -117,6 +120,7 @@ class CpuImpl final : public AttentionImpl {
     const bool fp8 = is_fp8(config_.kv_cache_dtype);
     const int64_t num_slots = a.slot_mapping.size(0);
     const int bs = c.block_size(), heads = c.num_kv_heads(), d = c.head_size();
+    const int dv = c.head_size_v();
     const auto* slots = static_cast<const int64_t*>(a.slot_mapping.data);
     const size_t in_elem = dtype_size(a.key.dtype), cache_elem = dtype_size(c.key.dtype);
 #pragma omp parallel for schedule(static) if (num_slots * heads * d > (1 << 16))
@@ -137,7 +141,7 @@ class CpuImpl final : public AttentionImpl {
                                        h * c.value.stride(2));
         convert_row(ks, a.key.dtype, kd, c.key.dtype, d,
                     fp8 ? a.scales.k_scale_of(0, h, heads) : 1.0f);
-        convert_row(vs, a.value.dtype, vd, c.value.dtype, d,
+        convert_row(vs, a.value.dtype, vd, c.value.dtype, dv,
                     fp8 ? a.scales.v_scale_of(0, h, heads) : 1.0f);
       }
     }
@@ -214,9 +218,8 @@ class CpuBackend final : public Backend {
           detail::cat("runs on the CPU only; the tensors are on ", to_string(q.device)));
     }
     const int d = q.config.head_size;
-    if (d % 16 != 0 || d > kMaxHeadSize) {
-      reasons.push_back(
-          detail::cat("head_size ", d, " is not a multiple of 16 up to ", kMaxHeadSize));
+    if (d < 1 || d > kMaxHeadSize) {
+      reasons.push_back(detail::cat("head_size ", d, " is outside 1..", kMaxHeadSize));
     }
     if (q.config.query_quant) {
       reasons.push_back(

@@ -220,13 +220,31 @@ HWY_INLINE void VisitFloatType(DType t, F&& f) {
   }
 }
 
-// Converts n (a multiple of Lanes) elements to float: dst[i] = src[i] * mul.
+// Loads the n < Lanes elements at p, the lanes past them zero: a row's tail, read without
+// touching memory past its end (the next row, or the end of the cache).
+template <class T>
+HWY_INLINE VF LoadTailF32(DF df, const T* p, int n) {
+  T buf[hn::MaxLanes(DF())];
+  std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+  std::memcpy(static_cast<void*>(buf), p, sizeof(T) * size_t(n));
+  return LoadF32(df, buf);
+}
+
+// n rounded up to whole vectors: the row stride of float scratch, whose padding lanes are zero.
+HWY_INLINE int PaddedCols(int n) {
+  const int N = int(hn::Lanes(DF()));
+  return (n + N - 1) / N * N;
+}
+
+// Converts n elements to float: dst[i] = src[i] * mul, and zeros up to PaddedCols(n).
 template <class T>
 HWY_INLINE void ToFloat(const T* src, float* dst, int n, float mul) {
   const DF df;
-  const size_t N = hn::Lanes(df);
+  const int N = int(hn::Lanes(df));
   const VF m = hn::Set(df, mul);
-  for (int i = 0; i < n; i += int(N)) hn::StoreU(hn::Mul(LoadF32(df, src + i), m), df, dst + i);
+  int i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(hn::Mul(LoadF32(df, src + i), m), df, dst + i);
+  if (i < n) hn::StoreU(hn::Mul(LoadTailF32(df, src + i, n - i), m), df, dst + i);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -363,17 +381,17 @@ struct ChunkRows {
 // S[r][n] for kRows rows per KV head (decode): key row n of each head is converted once in
 // registers and dotted with the rows of that head. Heads are the inner loop so that a token's
 // K rows are read in address order (an NHD token row holds every head). Q and S rows of head
-// hl start at hl * kRows.
+// hl start at hl * kRows. Q rows have stride ld (PaddedCols(d_size), zero past d_size).
 template <int kRows, class T>
 HWY_NOINLINE void ScoresFewRows(const ChunkRows& rows, int64_t head_stride, int nc, int h0,
-                                int heads, int d_size, const float* q, float* s) {
+                                int heads, int d_size, int ld, const float* q, float* s) {
   const DF df;
   const int N = int(hn::Lanes(df));
   for (int n = 0; n < nc; ++n) {
     const T* k_row = reinterpret_cast<const T*>(rows.k[n]) + h0 * head_stride;
     for (int hl = 0; hl < heads; ++hl) {
       const T* k = k_row + hl * head_stride;
-      const float* qh = q + hl * kRows * d_size;
+      const float* qh = q + hl * kRows * ld;
       // Two accumulators per row halve the dependent FMA chain along the head dimension.
       VF acc0[kRows], acc1[kRows];
       for (int r = 0; r < kRows; ++r) acc0[r] = acc1[r] = hn::Zero(df);
@@ -381,14 +399,15 @@ HWY_NOINLINE void ScoresFewRows(const ChunkRows& rows, int64_t head_stride, int 
       for (; d + 2 * N <= d_size; d += 2 * N) {
         const VF k0 = LoadF32(df, k + d), k1 = LoadF32(df, k + d + N);
         for (int r = 0; r < kRows; ++r) {
-          acc0[r] = hn::MulAdd(hn::LoadU(df, qh + r * d_size + d), k0, acc0[r]);
-          acc1[r] = hn::MulAdd(hn::LoadU(df, qh + r * d_size + d + N), k1, acc1[r]);
+          acc0[r] = hn::MulAdd(hn::LoadU(df, qh + r * ld + d), k0, acc0[r]);
+          acc1[r] = hn::MulAdd(hn::LoadU(df, qh + r * ld + d + N), k1, acc1[r]);
         }
       }
-      if (d < d_size) {
-        const VF k0 = LoadF32(df, k + d);
+      // The rest: up to one whole vector, then a partial one (its Q lanes are zero).
+      for (; d < d_size; d += N) {
+        const VF k0 = d + N <= d_size ? LoadF32(df, k + d) : LoadTailF32(df, k + d, d_size - d);
         for (int r = 0; r < kRows; ++r) {
-          acc0[r] = hn::MulAdd(hn::LoadU(df, qh + r * d_size + d), k0, acc0[r]);
+          acc0[r] = hn::MulAdd(hn::LoadU(df, qh + r * ld + d), k0, acc0[r]);
         }
       }
       float* sh = s + hl * kRows * kChunk;
@@ -413,7 +432,7 @@ HWY_NOINLINE void PackKeysTransposed(const ChunkRows& rows, int64_t head_offset,
 
 // S[r][:] for kRows rows from the packed keys, 4 vectors of keys at a time.
 template <int kRows>
-HWY_INLINE void ScoresTile(const float* q, const float* kt, float* s, int d_size) {
+HWY_INLINE void ScoresTile(const float* q, const float* kt, float* s, int d_size, int ld) {
   const DF df;
   const int N = int(hn::Lanes(df));
   for (int nb = 0; nb < kChunk; nb += 4 * N) {
@@ -425,7 +444,7 @@ HWY_INLINE void ScoresTile(const float* q, const float* kt, float* s, int d_size
       const VF k0 = hn::LoadU(df, kd), k1 = hn::LoadU(df, kd + N);
       const VF k2 = hn::LoadU(df, kd + 2 * N), k3 = hn::LoadU(df, kd + 3 * N);
       for (int r = 0; r < kRows; ++r) {
-        const VF qv = hn::Set(df, q[r * d_size + d]);
+        const VF qv = hn::Set(df, q[r * ld + d]);
         acc[r][0] = hn::MulAdd(qv, k0, acc[r][0]);
         acc[r][1] = hn::MulAdd(qv, k1, acc[r][1]);
         acc[r][2] = hn::MulAdd(qv, k2, acc[r][2]);
@@ -437,18 +456,20 @@ HWY_INLINE void ScoresTile(const float* q, const float* kt, float* s, int d_size
   }
 }
 
-HWY_NOINLINE void ScoresManyRows(const float* q, const float* kt, float* s, int rows, int d_size) {
+// Q rows have stride ld.
+HWY_NOINLINE void ScoresManyRows(const float* q, const float* kt, float* s, int rows, int d_size,
+                                 int ld) {
   int r = 0;
-  for (; r + 4 <= rows; r += 4) ScoresTile<4>(q + r * d_size, kt, s + r * kChunk, d_size);
+  for (; r + 4 <= rows; r += 4) ScoresTile<4>(q + r * ld, kt, s + r * kChunk, d_size, ld);
   switch (rows - r) {
     case 3:
-      ScoresTile<3>(q + r * d_size, kt, s + r * kChunk, d_size);
+      ScoresTile<3>(q + r * ld, kt, s + r * kChunk, d_size, ld);
       break;
     case 2:
-      ScoresTile<2>(q + r * d_size, kt, s + r * kChunk, d_size);
+      ScoresTile<2>(q + r * ld, kt, s + r * kChunk, d_size, ld);
       break;
     case 1:
-      ScoresTile<1>(q + r * d_size, kt, s + r * kChunk, d_size);
+      ScoresTile<1>(q + r * ld, kt, s + r * kChunk, d_size, ld);
       break;
     default:
       break;
@@ -675,6 +696,7 @@ template <class KV>
 void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffers& partials) {
   const DF df;
   const int d_size = p.head_size;
+  const int dv = p.v_head_size > 0 ? p.v_head_size : d_size;
   const int group = p.num_heads / p.num_kv_heads;
   const int r = w.request;
   const int64_t q0 = p.query_start_loc[r];
@@ -685,8 +707,11 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
   const int per_head = map.rows_per_head();
   const int heads = w.num_kv_heads;
   const int rows = per_head * heads;
+  // Float scratch rows are padded to whole vectors with zeros, so that every head size runs the
+  // vector loops: ld for Q, ldv for O and the converted V rows.
+  const int ld = PaddedCols(d_size), ldv = PaddedCols(dv);
   Scratch& sc = ThreadScratch();
-  sc.reserve(rows, d_size);
+  sc.reserve(rows, ld);
   float* q = sc.q.data();
   float* o = sc.o.data();
   float* s = sc.s.data();
@@ -719,9 +744,9 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
         dtype_size(p.q_dtype) * size_t(token * p.q_stride_token + head * p.q_stride_head);
     VisitFloatType(p.q_dtype, [&](auto* tag) {
       using Q = std::remove_pointer_t<decltype(tag)>;
-      ToFloat(reinterpret_cast<const Q*>(qp), q + row * d_size, d_size, row_qscale);
+      ToFloat(reinterpret_cast<const Q*>(qp), q + row * ld, d_size, row_qscale);
     });
-    std::fill(o + row * d_size, o + (row + 1) * d_size, 0.0f);
+    std::fill(o + row * ldv, o + (row + 1) * ldv, 0.0f);
     // A sink starts the running max and contributes exp2(sink - max) to the sum.
     sc.row_max[size_t(row)] = with_sink ? p.sinks[head] * kLog2e : kNegInf;
     sc.row_sum[size_t(row)] = with_sink ? 1.0f : 0.0f;
@@ -737,7 +762,9 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
   bool use_bf16 = false;
 #if HWY_TARGET == HWY_AVX3
   // The pair-dot kernels scale whole chunks by one qscale: per-head scales take the float path.
-  use_bf16 = kBf16Exact<KV> && p.q_dtype == DType::kBF16 && bf16::enabled() && !p.head_scales;
+  // Their register tiles are whole 16-float vectors wide (so ldv == dv there).
+  use_bf16 = kBf16Exact<KV> && p.q_dtype == DType::kBF16 && bf16::enabled() && !p.head_scales &&
+             d_size % 16 == 0 && dv % 16 == 0;
 #endif
   const bool few_rows = per_head <= 8;
   if (use_bf16) {
@@ -766,9 +793,9 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
       bf16::scores_few(sc.qb.data(), rows16, head_stride16, heads, nc, per_head, d_size, qscale, s);
     } else
       switch (per_head) {
-#define PAGEDATTN_CPU_FEW(k)                                                        \
-  case k:                                                                           \
-    ScoresFewRows<k, KV>(cur, p.k_stride_head, nc, w.kv_head, heads, d_size, q, s); \
+#define PAGEDATTN_CPU_FEW(k)                                                            \
+  case k:                                                                               \
+    ScoresFewRows<k, KV>(cur, p.k_stride_head, nc, w.kv_head, heads, d_size, ld, q, s); \
     break;
         PAGEDATTN_CPU_FEW(1)
         PAGEDATTN_CPU_FEW(2)
@@ -791,8 +818,8 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
             }
             PackKeysTransposed<KV>(cur, (w.kv_head + hl) * p.k_stride_head, nc, d_size,
                                    sc.kt.data(), sc.v.data());
-            ScoresManyRows(q + hl * per_head * d_size, sc.kt.data(), s + hl * per_head * kChunk,
-                           per_head, d_size);
+            ScoresManyRows(q + hl * per_head * ld, sc.kt.data(), s + hl * per_head * kChunk,
+                           per_head, d_size, ld);
           }
           break;
       }
@@ -802,13 +829,12 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
                      map.head(row), &sc.row_max[size_t(row)], &sc.row_sum[size_t(row)]);
     }
     if (use_bf16 && few_rows) {
-      ChunkRowsBf16Heads<KV>(cur.v, p.v_stride_head, w.kv_head, heads, nc, d_size,
+      ChunkRowsBf16Heads<KV>(cur.v, p.v_stride_head, w.kv_head, heads, nc, dv,
                              sc.kv16.data() + int64_t(kChunk) * heads * d_size, rows16,
                              &head_stride16);
       for (int hl = 0; hl < heads; ++hl) {
         bf16::accumulate_few(s + hl * per_head * kChunk, sc.row_alpha.data() + hl * per_head,
-                             rows16, hl * head_stride16, nc, per_head, d_size,
-                             o + hl * per_head * d_size);
+                             rows16, hl * head_stride16, nc, per_head, dv, o + hl * per_head * ldv);
       }
       std::swap(cur, next);
       continue;
@@ -816,18 +842,17 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
     for (int hl = 0; hl < heads; ++hl) {
       const int64_t v_head = (w.kv_head + hl) * p.v_stride_head;
       if (use_bf16) {
-        ChunkRowsBf16<KV>(cur.v, v_head, nc, d_size, sc.kv16.data() + kChunk * d_size, rows16);
-        bf16::pack_values(rows16, nc, d_size, sc.vp.data());
+        ChunkRowsBf16<KV>(cur.v, v_head, nc, dv, sc.kv16.data() + kChunk * d_size, rows16);
+        bf16::pack_values(rows16, nc, dv, sc.vp.data());
         bf16::accumulate(s + hl * per_head * kChunk, sc.row_alpha.data() + hl * per_head,
-                         sc.vp.data(), o + hl * per_head * d_size, per_head, nc, d_size);
+                         sc.vp.data(), o + hl * per_head * ldv, per_head, nc, dv);
         continue;
       }
       for (int n = 0; n < nc; ++n) {
-        ToFloat(reinterpret_cast<const KV*>(cur.v[n]) + v_head, sc.v.data() + n * d_size, d_size,
-                1.0f);
+        ToFloat(reinterpret_cast<const KV*>(cur.v[n]) + v_head, sc.v.data() + n * ldv, dv, 1.0f);
       }
       Accumulate(s + hl * per_head * kChunk, sc.row_alpha.data() + hl * per_head, sc.v.data(),
-                 o + hl * per_head * d_size, per_head, nc, d_size);
+                 o + hl * per_head * ldv, per_head, nc, ldv);
     }
     std::swap(cur, next);
   }
@@ -840,13 +865,13 @@ void AttendTyped(const AttentionParams& p, const WorkItem& w, const PartialBuffe
                               : p.v_scale;
     const float inv = l > 0.0f ? v_scale / l : 0.0f;
     const float lse = l > 0.0f ? (sc.row_max[size_t(row)] + std::log2(l)) * kLn2 : kNegInf;
-    float* orow = o + row * d_size;
-    for (int d = 0; d < d_size; d += int(hn::Lanes(df))) {
+    float* orow = o + row * ldv;
+    for (int d = 0; d < ldv; d += int(hn::Lanes(df))) {
       hn::StoreU(hn::Mul(hn::LoadU(df, orow + d), hn::Set(df, inv)), df, orow + d);
     }
     if (w.split >= 0) {
       const int64_t slot = int64_t(w.split) * partials.rows_stride + row;
-      std::memcpy(partials.out + slot * d_size, orow, sizeof(float) * size_t(d_size));
+      std::memcpy(partials.out + slot * dv, orow, sizeof(float) * size_t(dv));
       partials.lse[slot] = lse;
       continue;
     }
@@ -874,7 +899,8 @@ void AttendItem(const AttentionParams& p, const WorkItem& w, const PartialBuffer
 void MergeSplits(const AttentionParams& p, const WorkItem& w, int first, int count,
                  const PartialBuffers& partials) {
   const DF df;
-  const int d_size = p.head_size;
+  const int N = int(hn::Lanes(df));
+  const int d_size = p.v_head_size > 0 ? p.v_head_size : p.head_size;  // the partials' width
   const int group = p.num_heads / p.num_kv_heads;
   const RowMap map{group, w.q_end - w.q_begin, w.kv_head};
   const int rows = map.rows_per_head() * w.num_kv_heads;
@@ -893,11 +919,13 @@ void MergeSplits(const AttentionParams& p, const WorkItem& w, int first, int cou
         if (wgt == 0.0f) continue;  // an empty split's output is never read
         total += wgt;
         const VF wv = hn::Set(df, wgt);
-        for (int d = 0; d < d_size; d += int(hn::Lanes(df))) {
-          hn::StoreU(hn::MulAdd(wv, hn::LoadU(df, partials.out + slot * d_size + d),
-                                hn::LoadU(df, acc.data() + d)),
-                     df, acc.data() + d);
+        const float* part = partials.out + slot * d_size;
+        int d = 0;
+        for (; d + N <= d_size; d += N) {
+          hn::StoreU(hn::MulAdd(wv, hn::LoadU(df, part + d), hn::LoadU(df, acc.data() + d)), df,
+                     acc.data() + d);
         }
+        for (; d < d_size; ++d) acc[size_t(d)] += wgt * part[d];
       }
       for (float& x : acc) x /= total;
     }

@@ -24,7 +24,7 @@ struct AttentionParams {
   void* out = nullptr;  // [num_tokens, num_heads, out_cols]
   int64_t out_stride_token = 0, out_stride_head = 0;
   DType out_dtype = DType::kF32;
-  int out_cols = 0;     // head_size or fewer: the leading columns of each output row
+  int out_cols = 0;     // v_head_size or fewer: the leading columns of each output row
   void* lse = nullptr;  // [num_heads, num_tokens] or null
   int64_t lse_stride_head = 0, lse_stride_token = 0;
   DType lse_dtype = DType::kF32;
@@ -42,6 +42,7 @@ struct AttentionParams {
   int block_size = 1;
 
   int num_heads = 0, num_kv_heads = 0, head_size = 0;
+  int v_head_size = 0;  // V's (and the output's) head size, <= head_size; 0 = head_size
   float scale = 1.0f;
   float soft_cap = 0.0f;         // 0 = off
   const float* alibi = nullptr;  // [num_heads] or null
@@ -70,7 +71,7 @@ struct WorkItem {
   int64_t cost = 0;          ///< estimated work, for ordering (largest first)
 };
 
-/// Partial results of split items: [num_partials][rows][head_size] and [num_partials][rows].
+/// Partial results of split items: [num_partials][rows][v_head_size] and [num_partials][rows].
 struct PartialBuffers {
   float* out = nullptr;
   float* lse = nullptr;     ///< natural log

@@ -56,13 +56,14 @@ double quantised_query(double q, float q_scale) {
   return double(q8) * double(q_scale);
 }
 
-// Keys and values of one KV head of one request, dequantised: [len][head_size].
+// Keys and values of one KV head of one request, dequantised: [len][head_size] and
+// [len][head_size_v].
 struct HeadKV {
   int64_t len = 0;
-  int head_size = 0;
+  int head_size = 0, head_size_v = 0;
   std::vector<double> k, v;
   double key(int64_t j, int d) const { return k[size_t(j * head_size + d)]; }
-  double val(int64_t j, int d) const { return v[size_t(j * head_size + d)]; }
+  double val(int64_t j, int d) const { return v[size_t(j * head_size_v + d)]; }
 };
 
 // q.k the way fp8 tensor-core products accumulate it (query_quant): the e4m3 x e4m3 products
@@ -91,18 +92,16 @@ HeadKV gather_from_cache(const ForwardArgs& a, const AttentionConfig& cfg, int r
   const int kv_heads = cfg.num_kv_heads;
   const double ks = fp8 ? a.scales.k_scale_of(r, kv_head, kv_heads) : 1.0;
   const double vs = fp8 ? a.scales.v_scale_of(r, kv_head, kv_heads) : 1.0;
-  const int bs = c.block_size();
-  HeadKV kv{len, cfg.head_size, {}, {}};
-  kv.k.resize(size_t(len * cfg.head_size));
-  kv.v.resize(kv.k.size());
+  const int bs = c.block_size(), dk = cfg.head_size, dv = cfg.head_size_v();
+  HeadKV kv{len, dk, dv, {}, {}};
+  kv.k.resize(size_t(len * dk));
+  kv.v.resize(size_t(len * dv));
   for (int64_t j = 0; j < len; ++j) {
     const int64_t block =
         static_cast<const int32_t*>(bt.data)[r * bt.stride(0) + (j / bs) * bt.stride(1)];
     const TensorView kb = c.key.select(0, block), vb = c.value.select(0, block);
-    for (int d = 0; d < cfg.head_size; ++d) {
-      kv.k[size_t(j * cfg.head_size + d)] = at(kb, j % bs, kv_head, d) * ks;
-      kv.v[size_t(j * cfg.head_size + d)] = at(vb, j % bs, kv_head, d) * vs;
-    }
+    for (int d = 0; d < dk; ++d) kv.k[size_t(j * dk + d)] = at(kb, j % bs, kv_head, d) * ks;
+    for (int d = 0; d < dv; ++d) kv.v[size_t(j * dv + d)] = at(vb, j % bs, kv_head, d) * vs;
   }
   return kv;
 }
@@ -110,14 +109,13 @@ HeadKV gather_from_cache(const ForwardArgs& a, const AttentionConfig& cfg, int r
 // Encoder types: the request's own current tokens are its keys.
 HeadKV gather_from_inputs(const ForwardArgs& a, const AttentionConfig& cfg, int64_t first_row,
                           int kv_head, int64_t len) {
-  HeadKV kv{len, cfg.head_size, {}, {}};
-  kv.k.resize(size_t(len * cfg.head_size));
-  kv.v.resize(kv.k.size());
+  const int dk = cfg.head_size, dv = cfg.head_size_v();
+  HeadKV kv{len, dk, dv, {}, {}};
+  kv.k.resize(size_t(len * dk));
+  kv.v.resize(size_t(len * dv));
   for (int64_t j = 0; j < len; ++j) {
-    for (int d = 0; d < cfg.head_size; ++d) {
-      kv.k[size_t(j * cfg.head_size + d)] = at(a.key, first_row + j, kv_head, d);
-      kv.v[size_t(j * cfg.head_size + d)] = at(a.value, first_row + j, kv_head, d);
-    }
+    for (int d = 0; d < dk; ++d) kv.k[size_t(j * dk + d)] = at(a.key, first_row + j, kv_head, d);
+    for (int d = 0; d < dv; ++d) kv.v[size_t(j * dv + d)] = at(a.value, first_row + j, kv_head, d);
   }
   return kv;
 }
@@ -160,14 +158,14 @@ RowResult attend_exact(const AttentionConfig& cfg, const std::vector<double>& q,
     logits[size_t(j)] = logit_of<double>(cfg, dot, h, j, pos);
     m = std::max(m, logits[size_t(j)]);
   }
-  RowResult res{std::vector<double>(size_t(cfg.head_size), 0.0), kNegInf};
+  RowResult res{std::vector<double>(size_t(kv.head_size_v), 0.0), kNegInf};
   if (m == kNegInf) return res;  // nothing visible and no sink: zeros, lse = -inf (spec 4.8)
   double den = cfg.has_sinks() ? std::exp(double(cfg.sinks[size_t(h)]) - m) : 0.0;
   for (int64_t j = 0; j < kv.len; ++j) {
     if (logits[size_t(j)] == kNegInf) continue;
     const double p = std::exp(logits[size_t(j)] - m);
     den += p;
-    for (int d = 0; d < cfg.head_size; ++d) res.out[size_t(d)] += p * kv.val(j, d);
+    for (int d = 0; d < kv.head_size_v; ++d) res.out[size_t(d)] += p * kv.val(j, d);
   }
   for (double& o : res.out) o /= den;
   res.lse = m + std::log(den);
@@ -192,18 +190,18 @@ RowResult attend_low_precision(const AttentionConfig& cfg, const std::vector<dou
     logits[size_t(j)] = logit_of<float>(cfg, dot, h, j, pos);
     m = std::max(m, logits[size_t(j)]);
   }
-  RowResult res{std::vector<double>(size_t(cfg.head_size), 0.0), kNegInf};
+  RowResult res{std::vector<double>(size_t(kv.head_size_v), 0.0), kNegInf};
   if (m == kNegInfF) return res;
   float den = cfg.has_sinks() ? std::exp(cfg.sinks[size_t(h)] - m) : 0.0f;
-  std::vector<float> acc(size_t(cfg.head_size), 0.0f);
+  std::vector<float> acc(size_t(kv.head_size_v), 0.0f);
   for (int64_t j = 0; j < kv.len; ++j) {
     if (logits[size_t(j)] == kNegInfF) continue;
     const float p = std::exp(logits[size_t(j)] - m);
     den += p;
     const float p_low = round_p(cfg, p);
-    for (int d = 0; d < cfg.head_size; ++d) acc[size_t(d)] += p_low * float(kv.val(j, d));
+    for (int d = 0; d < kv.head_size_v; ++d) acc[size_t(d)] += p_low * float(kv.val(j, d));
   }
-  for (int d = 0; d < cfg.head_size; ++d) res.out[size_t(d)] = acc[size_t(d)] / den;
+  for (int d = 0; d < kv.head_size_v; ++d) res.out[size_t(d)] = acc[size_t(d)] / den;
   res.lse = double(m) + double(std::log(den));
   return res;
 }
@@ -235,7 +233,7 @@ void attention(const AttentionConfig& cfg, const ForwardArgs& a, Precision preci
           const RowResult row = precision == Precision::kFloat64
                                     ? attend_exact(cfg, q, kv, h, context_len + i)
                                     : attend_low_precision(cfg, q, kv, h, context_len + i);
-          const int out_cols = int(a.output.size(2));  // head_size or a leading part of it
+          const int out_cols = int(a.output.size(2));  // head_size_v or a leading part of it
           for (int d = 0; d < out_cols; ++d) store(a.output, t, h, d, row.out[size_t(d)]);
           if (a.lse.defined()) {
             store_element(a.lse.data, a.lse.dtype, h * a.lse.stride(0) + t * a.lse.stride(1),

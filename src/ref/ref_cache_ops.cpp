@@ -13,32 +13,28 @@ void write_kv(const AttentionConfig& config, const WriteKVArgs& a) {
   const bool fp8 = is_fp8(config.kv_cache_dtype);
   const int bs = c.block_size();
   const int64_t num_slots = a.slot_mapping.size(0);
+  // Inputs are f32/f16/bf16, exact in float; fp8 stores saturate(x / scale) computed in float,
+  // as the CUDA kernels do. K and V rows may differ in size (v_head_size).
+  auto write = [&](const TensorView& in, const TensorView& cache, float scale, int64_t t,
+                   int64_t block, int64_t offset, int h) {
+    for (int64_t d = 0; d < cache.size(3); ++d) {
+      float x = float(
+          load_element(in.data, in.dtype, t * in.stride(0) + h * in.stride(1) + d * in.stride(2)));
+      if (fp8) x /= scale;
+      store_element(cache.data, cache.dtype,
+                    block * cache.stride(0) + offset * cache.stride(1) + h * cache.stride(2) +
+                        d * cache.stride(3),
+                    x);
+    }
+  };
   for (int64_t t = 0; t < num_slots; ++t) {
     const int64_t slot =
         static_cast<const int64_t*>(a.slot_mapping.data)[t * a.slot_mapping.stride(0)];
     if (slot < 0) continue;  // padded token
     const int64_t block = slot / bs, offset = slot % bs;
     for (int h = 0; h < c.num_kv_heads(); ++h) {
-      for (int d = 0; d < c.head_size(); ++d) {
-        // Inputs are f32/f16/bf16, exact in float; fp8 stores saturate(x / scale) computed in
-        // float, as the CUDA kernels do.
-        float k =
-            float(load_element(a.key.data, a.key.dtype,
-                               t * a.key.stride(0) + h * a.key.stride(1) + d * a.key.stride(2)));
-        float v = float(
-            load_element(a.value.data, a.value.dtype,
-                         t * a.value.stride(0) + h * a.value.stride(1) + d * a.value.stride(2)));
-        if (fp8) {
-          k /= a.scales.k_scale_of(0, h, c.num_kv_heads());
-          v /= a.scales.v_scale_of(0, h, c.num_kv_heads());
-        }
-        const int64_t ko = block * c.key.stride(0) + offset * c.key.stride(1) +
-                           h * c.key.stride(2) + d * c.key.stride(3);
-        const int64_t vo = block * c.value.stride(0) + offset * c.value.stride(1) +
-                           h * c.value.stride(2) + d * c.value.stride(3);
-        store_element(c.key.data, c.key.dtype, ko, k);
-        store_element(c.value.data, c.value.dtype, vo, v);
-      }
+      write(a.key, c.key, a.scales.k_scale_of(0, h, c.num_kv_heads()), t, block, offset, h);
+      write(a.value, c.value, a.scales.v_scale_of(0, h, c.num_kv_heads()), t, block, offset, h);
     }
   }
 }

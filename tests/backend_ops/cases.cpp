@@ -26,9 +26,11 @@ std::vector<RequestShape> mixed_batch() {
 std::string describe(const OpCase& k) {
   const AttentionConfig& c = k.config;
   std::ostringstream os;
-  os << to_string(c.attn_type) << " d=" << c.head_size << " h=" << c.num_heads << "/"
-     << c.num_kv_heads << " " << dtype_name(c.dtype) << " kv=" << to_string(c.kv_cache_dtype) << " "
-     << to_string(c.kv_cache_layout) << " bs=" << c.block_size;
+  os << to_string(c.attn_type) << " d=" << c.head_size;
+  if (c.head_size_v() != c.head_size) os << " dv=" << c.head_size_v();
+  os << " h=" << c.num_heads << "/" << c.num_kv_heads << " " << dtype_name(c.dtype)
+     << " kv=" << to_string(c.kv_cache_dtype) << " " << to_string(c.kv_cache_layout)
+     << " bs=" << c.block_size;
   if (c.sliding_window) os << " window=" << *c.sliding_window;
   if (c.logits_soft_cap) os << " softcap=" << *c.logits_soft_cap;
   if (c.has_alibi()) os << " alibi";
@@ -517,6 +519,58 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
     k.v_scales = spread_scales(4, 4.0f, 0.3f);
     k.q_scales = spread_scales(4, 0.01f, 0.04f);
     k.name += " scales=[kv_head]";
+  }
+  // Head sizes off the multiples of 16 (SigLIP's 72, FlashAttention's any size up to 256) and
+  // small ones: vector loops with a tail. Decode, prefill and mixed steps, bf16 and fp8 caches,
+  // GQA 4; few tokens, so that they stay cheap.
+  for (int d : {8, 32, 40, 59, 72, 80, 111, 160, 224, 256}) {
+    for (KVCacheDType kv : {KVCacheDType::kAuto, KVCacheDType::kFp8E4M3}) {
+      AttentionConfig c = base;
+      c.head_size = d;
+      c.kv_cache_dtype = kv;
+      c.scale = 0;
+      m.add("any_head", c, {{40, 1}, {0, 1}, {70, 1}});             // decode
+      m.add("any_head", c, {{0, 21}, {0, 70}});                     // prefill (many-row tiles)
+      m.add("any_head", c, {{0, 9}, {33, 1}, {20, 3}, {0, 0}}, 1);  // mixed
+    }
+  }
+  // The merge of split keys, and the encoder (no cache: MultiHeadAttention) path, at 72 and 59.
+  for (int d : {72, 59}) {
+    AttentionConfig c = base;
+    c.head_size = d;
+    c.num_kv_heads = 1;
+    c.scale = 0;
+    m.add("any_head", c, {{1500, 1}, {900, 2}});
+    c.num_kv_heads = 2;
+    c.attn_type = AttentionType::kEncoderOnly;
+    m.add("any_head", c, {{0, 19}, {0, 1}, {0, 40}});
+  }
+  // V of a head size of its own (FlashAttention's dv < d; vLLM's MLA prefill: Q/K 192, V 128):
+  // decode and prefill, bf16 and fp8 caches; an HND cache, split keys and the encoder path.
+  for (auto [d, dv] : {std::pair{192, 128}, {128, 64}, {64, 32}, {72, 40}}) {
+    for (KVCacheDType kv : {KVCacheDType::kAuto, KVCacheDType::kFp8E4M3}) {
+      AttentionConfig c = base;
+      c.head_size = d;
+      c.v_head_size = dv;
+      c.kv_cache_dtype = kv;
+      c.scale = 0;
+      m.add("v_head", c, {{40, 1}, {0, 1}, {70, 2}});  // decode
+      m.add("v_head", c, {{0, 21}, {30, 70}}, 1);      // prefill
+    }
+  }
+  {
+    AttentionConfig c = base;
+    c.head_size = 192;
+    c.v_head_size = 128;
+    c.scale = 0;
+    c.kv_cache_layout = KVCacheLayout::kHND;
+    m.add("v_head", c, {{0, 9}, {33, 1}, {20, 3}, {0, 0}}, 1);
+    c.kv_cache_layout = KVCacheLayout::kNHD;
+    c.num_kv_heads = 1;
+    m.add("v_head", c, {{1500, 1}, {900, 2}});
+    c.num_kv_heads = 2;
+    c.attn_type = AttentionType::kEncoderOnly;
+    m.add("v_head", c, {{0, 19}, {0, 1}, {0, 40}});
   }
   return m.take();
 }

@@ -39,6 +39,7 @@ int64_t ceil_div(int64_t a, int64_t b) {
 CaseData make_case_data(const OpCase& k) {
   const AttentionConfig& c = k.config;
   const int bs = c.block_size, hq = c.num_heads, hk = c.num_kv_heads, d = c.head_size;
+  const int dv = c.head_size_v();
   std::mt19937 rng(k.seed);
   CaseData data;
   const bool cross = c.attn_type == AttentionType::kEncoderDecoder;
@@ -130,10 +131,10 @@ CaseData make_case_data(const OpCase& k) {
   data.query = random_tensor({data.num_query_rows, hq, d}, c.dtype, qs, rng);
   const int64_t kv_rows = cross ? int64_t(cross_slots.size()) : data.num_query_rows;
   data.key = random_tensor({kv_rows, hk, d}, c.dtype, ks, rng);
-  data.value = random_tensor({kv_rows, hk, d}, c.dtype, s, rng);
+  data.value = random_tensor({kv_rows, hk, dv}, c.dtype, s, rng);
   const auto nctx = int64_t(data.context_slots.size());
   data.context_key = random_tensor({nctx, hk, d}, c.dtype, ks, rng);
-  data.context_value = random_tensor({nctx, hk, d}, c.dtype, s, rng);
+  data.context_value = random_tensor({nctx, hk, dv}, c.dtype, s, rng);
   if (k.latent) {
     data.value = Tensor::copy_of(data.key.view(), Device::cpu());
     data.context_value = Tensor::copy_of(data.context_key.view(), Device::cpu());
@@ -157,6 +158,12 @@ KVCacheView cache_view_of(const Tensor& storage, KVCacheLayout layout, bool late
   return v;
 }
 
+KVCacheView cache_view_of(const Tensor& storage, const AttentionConfig& c, bool latent) {
+  if (c.head_size_v() == c.head_size) return cache_view_of(storage, c.kv_cache_layout, latent);
+  return split_cache_view(storage.view(), c.block_size, c.num_kv_heads, c.head_size,
+                          c.head_size_v(), c.kv_cache_layout);
+}
+
 RunOutputs run_on(const Backend& backend, const OpCase& k, CaseData& data, const Tensor& cache0,
                   DType out_dtype, DType lse_dtype, Device device, int repeats) {
   const AttentionConfig& c = k.config;
@@ -170,7 +177,7 @@ RunOutputs run_on(const Backend& backend, const OpCase& k, CaseData& data, const
   Tensor query = Tensor::copy_of(data.query.view(), device);
   Tensor key = Tensor::copy_of(data.key.view(), device);
   Tensor value = Tensor::copy_of(data.value.view(), device);
-  const int out_cols = k.out_cols > 0 ? k.out_cols : c.head_size;
+  const int out_cols = k.out_cols > 0 ? k.out_cols : c.head_size_v();
   Tensor output = Tensor::copy_of(poisoned({rows, c.num_heads, out_cols}, out_dtype), device);
   Tensor lse = Tensor::copy_of(poisoned({c.num_heads, rows}, lse_dtype), device);
   Tensor cache;
@@ -179,7 +186,7 @@ RunOutputs run_on(const Backend& backend, const OpCase& k, CaseData& data, const
     // Same bytes, same physical layout as the reference's pre-step cache.
     cache = Tensor::empty(cache0.view().shape_vector(), cache0.view().dtype, device);
     copy_tensor(cache.view(), cache0.view());
-    cache_view = cache_view_of(cache, c.kv_cache_layout, k.latent);
+    cache_view = cache_view_of(cache, c, k.latent);
     if (md.num_slots() > 0) {
       WriteKVArgs w{key.view(), value.view(), md.slot_mapping, cache_view, write_scales(k), {}};
       check_write_kv_args(c, w);

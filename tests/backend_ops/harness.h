@@ -49,6 +49,9 @@ Tensor make_initial_cache(const OpCase& k, CaseData& data);
 /// The logical cache view of a storage tensor in `layout` (HND storage seen through permuted
 /// strides); `latent`: the value view is the key view (one entry as K and V).
 KVCacheView cache_view_of(const Tensor& storage, KVCacheLayout layout, bool latent = false);
+/// The same for a cache of `c`'s shape, a V head size of its own included (separate K and V
+/// pages: split_cache_view).
+KVCacheView cache_view_of(const Tensor& storage, const AttentionConfig& c, bool latent = false);
 
 struct RunOutputs {
   Tensor output, lse;  // host

@@ -60,7 +60,7 @@ ParallelReference make_parallel_inputs(const bo::OpCase& k) {
   if (md.num_slots() == 0) return r;
   const auto ref64 = ref::make_backend(ref::Precision::kFloat64);
   WriteKVArgs w{r.data.key.view(),   r.data.value.view(),
-                md.slot_mapping,     bo::cache_view_of(r.exact.cache, c.kv_cache_layout, k.latent),
+                md.slot_mapping,     bo::cache_view_of(r.exact.cache, c, k.latent),
                 bo::write_scales(k), {}};
   check_write_kv_args(c, w);
   ref64->make_impl(c, Device::cpu())->write_kv(w);
@@ -172,18 +172,17 @@ RankShare tp_rank_share(const Backend& backend, const bo::OpCase& k, const Paral
   data.key = Tensor::copy_of(ref.data.key.view().slice(1, kb, kb + shard.num_kv_heads), {});
   data.value = Tensor::copy_of(ref.data.value.view().slice(1, kb, kb + shard.num_kv_heads), {});
   Tensor cache0;
-  const KVCacheLayout layout = c.kv_cache_layout;
   if (uses_kv_cache(c.attn_type)) {
     const KVCache mine = KVCache::allocate(kr.config, ref.data.num_blocks);
-    const KVCacheView whole = bo::cache_view_of(ref.cache0, layout, k.latent);
+    const KVCacheView whole = bo::cache_view_of(ref.cache0, c, k.latent);
     copy_tensor(mine.view().key, whole.key.slice(2, kb, kb + shard.num_kv_heads));
     copy_tensor(mine.view().value, whole.value.slice(2, kb, kb + shard.num_kv_heads));
     cache0 = mine.storage();
   }
   s.run = bo::run_on(backend, kr, data, cache0, c.dtype, DType::kF32, device, 0);
   if (cache0.defined()) {
-    const KVCacheView got = bo::cache_view_of(s.run.cache, layout, k.latent);
-    const KVCacheView want = bo::cache_view_of(ref.exact.cache, layout, k.latent);
+    const KVCacheView got = bo::cache_view_of(s.run.cache, kr.config, k.latent);
+    const KVCacheView want = bo::cache_view_of(ref.exact.cache, c, k.latent);
     if (!same_bytes(got.key, want.key.slice(2, kb, kb + shard.num_kv_heads)) ||
         !same_bytes(got.value, want.value.slice(2, kb, kb + shard.num_kv_heads))) {
       s.cache_mismatch = "the rank's KV heads differ from the reference's cache bytes";
@@ -226,8 +225,8 @@ RankShare dcp_rank_share(const Backend& backend, const bo::OpCase& k, const Para
   // The context: each owned position's bytes copied from the reference's pre-step cache, read
   // through the request's block table there (shared prefixes included).
   KVCache mine = KVCache::allocate(kr.config, num_blocks);
-  fill_host(mine.tensor(), 9.0);  // garbage in every slot the rank never receives
-  const KVCacheView whole = bo::cache_view_of(ref.cache0, c.kv_cache_layout, k.latent);
+  fill_host(mine.storage().view(), 9.0);  // garbage in every slot the rank never receives
+  const KVCacheView whole = bo::cache_view_of(ref.cache0, c, k.latent);
   const StepMetadata& global = ref.data.step;
   std::vector<DcpRequest> requests;
   size_t next = 0;
@@ -273,8 +272,8 @@ RankShare dcp_rank_share(const Backend& backend, const bo::OpCase& k, const Para
   s.run = bo::run_on(backend, kr, data, mine.storage(), partial_dtype, DType::kF32, device, 0);
   dcp_clear_empty_rows(step, s.run.output.view(), s.run.lse.view());
   // The step's new tokens this rank owns hold the reference's bytes at their local slots.
-  const KVCacheView got = bo::cache_view_of(s.run.cache, c.kv_cache_layout, k.latent);
-  const KVCacheView want = bo::cache_view_of(ref.exact.cache, c.kv_cache_layout, k.latent);
+  const KVCacheView got = bo::cache_view_of(s.run.cache, kr.config, k.latent);
+  const KVCacheView want = bo::cache_view_of(ref.exact.cache, c, k.latent);
   int64_t owned = 0;
   for (size_t t = 0; t < step.metadata.slot_mapping.size(); ++t) {
     const int64_t l = step.metadata.slot_mapping[t], g = global.slot_mapping[t];

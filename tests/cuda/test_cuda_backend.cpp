@@ -90,6 +90,19 @@ TEST(CudaBackendHost, HeadSizeReasonListsTheCompiledSizes) {
   EXPECT_NE(all.find("multiple of 16"), std::string::npos) << all;
 }
 
+// A V head size of its own (AttentionConfig::v_head_size) is served on the host only.
+TEST(CudaBackendHost, RefusesAVHeadSizeOfItsOwn) {
+  const auto backend = cuda::make_backend(cuda::BackendOptions{});
+  AttentionConfig c = gqa_config(DType::kBF16, 128);
+  c.v_head_size = 64;
+  std::string all;
+  for (const auto& r : backend->check({c, Device::cuda(0)})) all += r + "\n";
+  EXPECT_NE(all.find("v_head_size 64 differs from head_size 128: the cuda kernels read V rows of "
+                     "the Q/K head size (not implemented"),
+            std::string::npos)
+      << all;
+}
+
 cuda::SplitInputs inputs(int batch, int kv_len, int q_len = 1) {
   cuda::SplitInputs in;
   in.num_sms = 132;

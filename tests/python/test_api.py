@@ -89,13 +89,15 @@ def test_backends_explain_and_select() -> None:
     names = [b.name for b in pa.list_backends()]
     assert names[-1] == "ref" and ("cpu" in names) == pa.with_cpu_backend
     assert ("cuda" in names) == pa.with_cuda
-    verdicts = pa.explain(_config(head_size=24))
+    # The cpu backend serves every head size up to 576; past it, only ref.
+    verdicts = pa.explain(_config(head_size=600))
     by_name = {v.name: v for v in verdicts}
     assert by_name["ref"].supported
     if pa.with_cpu_backend:
         assert not by_name["cpu"].supported
-        assert any("head_size 24" in r for r in by_name["cpu"].reasons)
-        assert pa.select_backend(_config(head_size=24)).name == "ref"
+        assert any("head_size 600 is outside 1..576" in r for r in by_name["cpu"].reasons)
+        assert pa.select_backend(_config(head_size=600)).name == "ref"
+        assert {v.name: v for v in pa.explain(_config(head_size=24))}["cpu"].supported
     table = pa.format_verdicts(verdicts)
     assert "ref" in table
     assert pa.select_backend(_config(), name="ref").name == "ref"
@@ -298,8 +300,8 @@ def test_bad_config_and_names() -> None:
     with pytest.raises(pa.Error, match="nope"):
         pa.Impl(_config(), backend="nope")
     if pa.with_cpu_backend:
-        with pytest.raises(pa.NotSupported, match="head_size 24"):
-            pa.Impl(_config(head_size=24), backend="cpu")
+        with pytest.raises(pa.NotSupported, match="head_size 600"):
+            pa.Impl(_config(head_size=600), backend="cpu")
     ctx = pa.ForwardContext()
     with pytest.raises(pa.InvalidArgument, match="num_heads"):
         pa.Attention(ctx, 16, 64, 0.125, num_kv_heads=5, prefix="x")

@@ -97,13 +97,17 @@ def get_impl(
     device: str,
     backend: str = "",
     query_quant: bool = False,
+    v_head_size: int = 0,
 ) -> "_C.Impl":
-    """A cached impl for one layer shape (built on first use: warm up before graph capture)."""
+    """A cached impl for one layer shape (built on first use: warm up before graph capture).
+    v_head_size: V's head size where it differs from head_size (0 = the same)."""
     alibi = tuple(alibi_slopes) if alibi_slopes else ()
     sink = tuple(sinks) if sinks else ()
+    if v_head_size == head_size:
+        v_head_size = 0
     key = (num_heads, head_size, num_kv_heads, block_size, dtype, kv_cache_dtype, attn_type,
            scale, sliding_window, softcap, alibi, sink, device, backend, query_quant,
-           os.environ.get("PAGEDATTN_BACKEND"))
+           v_head_size, os.environ.get("PAGEDATTN_BACKEND"))
     impl = _impls.get(key)
     if impl is None:
         config = _C.AttentionConfig(
@@ -121,6 +125,7 @@ def get_impl(
             block_size=block_size,
         )
         config.query_quant = query_quant
+        config.v_head_size = v_head_size
         impl = _C.Impl(config, device, backend or None)
         _impls[key] = impl
     return impl
@@ -151,7 +156,8 @@ def write_kv(
     cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, key, key_cache)
     _, block_size, num_kv_heads, head_size = key_cache.shape
     impl = get_impl(num_kv_heads, head_size, num_kv_heads, block_size, _dtype_name(key),
-                    cache_dtype, "decoder", 1.0, 0, 0.0, None, None, _device(key_cache))
+                    cache_dtype, "decoder", 1.0, 0, 0.0, None, None, _device(key_cache),
+                    v_head_size=value_cache.shape[-1] if value_cache.dim() == 4 else head_size)
     impl.write_kv(_dl(key), _dl(value), _dl(slot_mapping), (_dl(key_cache), _dl(value_cache)),
                   _scale_arg(k_scale, k_scales), _scale_arg(v_scale, v_scales),
                   _stream(key_cache))
@@ -201,7 +207,8 @@ def attention(
     v_scales: Optional[List[float]] = None,
 ) -> None:
     """Attention for query rows [0, num_actual_tokens) of q [T, num_heads, head_size] into out
-    (same shape) and softmax_lse float32 [num_heads, T].
+    [T, num_heads, v_head_size] (v_head_size: value's / value_cache's last dimension, at most
+    head_size) and softmax_lse float32 [num_heads, T].
 
     Request r owns rows cu_seqlens_q[r]..cu_seqlens_q[r+1] and attends over seqused_k[r] keys:
     read from the paged cache through block_table (decoder: causal, bottom-right aligned;
@@ -232,16 +239,18 @@ def attention(
         block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
         cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, q, key_cache)
         kv_cache = (_dl(key_cache), _dl(value_cache))
+        v_head_size = value_cache.shape[-1] if value_cache.dim() == 4 else head_size
     else:
         if key is None or value is None:
             raise _C.InvalidArgument(f"{attn_type} attention needs key and value")
         block_size, num_kv_heads = 16, key.shape[1]
         cache_dtype = "auto"
         kv_cache = None
+        v_head_size = value.shape[-1] if value.dim() == 3 else head_size
     device = _device(q)
     impl = get_impl(num_heads, head_size, num_kv_heads, block_size, _dtype_name(q), cache_dtype,
                     attn_type, softmax_scale, sliding_window, softcap, alibi_slopes, sinks,
-                    device, backend, query_quant)
+                    device, backend, query_quant, v_head_size)
     num_seqs = seqused_k.shape[0]
     host_qsl = cu_seqlens_q_cpu if cu_seqlens_q_cpu is not None else (
         cu_seqlens_q if not cu_seqlens_q.is_cuda else None)

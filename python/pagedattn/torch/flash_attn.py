@@ -128,7 +128,10 @@ def flash_attn_varlen_func(
     and ``_query_quant`` are for the FlashAttention 2/3 drop-ins (fa2.py, fa3.py): an LSE
     buffer to fill, and a query they already widened from fp8.
 
-    Returns ``out`` (``[total_q, num_heads, head_size]``), or ``(out, softmax_lse)`` with
+    v may have a head size of its own, ``dv <= head_size`` (FlashAttention 3's dv; vLLM's MLA
+    prefill passes Q/K 192 and V 128): served by the cpu and ref backends, refused by cuda.
+
+    Returns ``out`` (``[total_q, num_heads, dv]``), or ``(out, softmax_lse)`` with
     ``softmax_lse`` float32 ``[num_heads, total_q]`` when ``return_softmax_lse``.
     """
     if dropout_p != 0.0:
@@ -173,7 +176,7 @@ def flash_attn_varlen_func(
     if _query_quant is not None:
         query_quant = _query_quant
     if out is None:
-        out = torch.empty_like(q)
+        out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
     lse = _lse_out if _lse_out is not None else torch.empty(
         (q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     # Descales [batch, num_kv_heads] (or [num_kv_heads]) of differing values go to the backend

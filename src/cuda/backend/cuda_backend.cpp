@@ -89,6 +89,12 @@ class CudaBackend final : public Backend {
       reasons.push_back(cat("write_kv is not compiled for ", dtype_name(c.dtype),
                             " activations into a ", dtype_name(cache), " cache"));
     }
+    if (c.head_size_v() != c.head_size) {
+      reasons.push_back(cat("v_head_size ", c.head_size_v(), " differs from head_size ",
+                            c.head_size,
+                            ": the cuda kernels read V rows of the Q/K head size (not "
+                            "implemented; the cpu and ref backends serve it)"));
+    }
     if (is_mla_shape(c)) {
       for (std::string& r : mla_reasons(c)) reasons.push_back(std::move(r));
       if (c.query_quant) {
