@@ -266,6 +266,12 @@ def varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.T
         q = torch.cat((qv.to(q.dtype), q), dim=-1)
         k = torch.cat((v, k), dim=-1)
         v = k
+    elif dv != D and (dv > D or q.is_cuda):
+        # The op serves dv < d (v_head_size) on the cpu and ref backends; a wider V, or any
+        # dv != d on CUDA, becomes one head size: zero columns appended to q and k (the dot
+        # products unchanged; the scale stays d's) or to v (sliced off the output).
+        width = max(D, dv)
+        q, k, v = (_pad_last(t, width) for t in (q, k, v))
     # Descales: fp8 only (FlashAttention 3 ignores them for 16-bit inputs).
     kv_scale = (1.0, 1.0)
     post = None
@@ -346,6 +352,14 @@ def varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.T
     else:
         out.copy_(res)
     return out, lse
+
+
+def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t with zero columns appended to its last dimension up to width (a copy), or t."""
+    if t.shape[-1] >= width:
+        return t
+    zeros = torch.zeros((*t.shape[:-1], width - t.shape[-1]), dtype=t.dtype, device=t.device)
+    return torch.cat((t, zeros), dim=-1)
 
 
 def _starved(cu_q: torch.Tensor, cu_k: Optional[torch.Tensor],
