@@ -1,7 +1,9 @@
 """FlashAttention's edge cases through the torch drop-ins (requests with no keys, a causal query
 longer than its keys, empty batches) against the float64 numpy reference, and the layers'
 stream argument. The cuda backend refuses a decoder query longer than its keys (NotSupported)
-in flash_attn_varlen_func; flash_attn_with_kvcache leaves the rows that see no key out of the
+where its plan reads the lengths on the host (the host mirrors cu_seqlens_q_cpu /
+seqused_k_cpu); without them its kernels run such rows, and the result is held to the
+reference like any other. flash_attn_with_kvcache leaves the rows that see no key out of the
 call, so it serves them on every backend."""
 
 from __future__ import annotations
@@ -64,11 +66,12 @@ def test_varlen_zero_keys_and_queries_longer_than_keys(device: str, sinks: bool)
     call = lambda: pt.flash_attn_varlen_func(  # noqa: E731
         q, k, v, max(q_lens), cu_q, max(k_lens), cu_seqlens_k=cu_k, causal=True, s_aux=s_aux,
         return_softmax_lse=True)
-    if device == "cuda":
-        with pytest.raises(pa.NotSupported, match="see no key"):
-            call()
+    try:
+        out, lse = call()
+    except pa.NotSupported as e:
+        # The cuda backend refuses such rows where its plan sees the lengths on the host.
+        assert device == "cuda" and "see no key" in str(e), str(e)
         return
-    out, lse = call()
     kn, vn = k.double().cpu().numpy(), v.double().cpu().numpy()
     cuk = cu_k.cpu().numpy()
     ref, ref_lse = R.attention_reference(

@@ -168,7 +168,7 @@ TEST_F(LayerStream, MLAAttentionHandsItsStreamToEveryBackendCall) {
   o.dtype = DType::kF32;
   o.cache_config = CacheConfig{};
   o.cache_config->block_size = kBlock;
-  o.attn_backend = "recording";
+  o.attn_backend = std::string("recording");
   o.context_chunk_tokens = 4;  // several context chunks: merges
   MLAAttention layer(ctx, o, registry_);
   auto w = random_values(size_t(kL) * kN * (kP + kV), 7);
