@@ -29,85 +29,11 @@ import torch  # noqa: E402
 
 import pagedattn as pa  # noqa: E402
 import pagedattn.torch as pt  # noqa: E402
+from flash_reference import assert_rule as _assert_rule  # noqa: E402
+from flash_reference import attention64 as _attention64  # noqa: E402
+from flash_reference import rotate64 as _rotate64  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-
-
-def _attention64(q, keys, values, causal, window, softcap, slopes, scale, low_dtype=None):
-    """FlashAttention's semantics per request: q [b, sq, h, d]; keys[r] / values[r] [sk_r, hk, d].
-    Query i sits at a = i + sk_r - sq; causal keeps j <= a; window (left, right) keeps
-    a - left <= j <= a + right (-1: unbounded; causal forces right 0); ALiBi adds
-    -slope * |a - j|; a row with no key gives 0 (LSE -inf). float64, or with low_dtype the
-    naive low-precision twin (float32 products and softmax, P rounded to low_dtype before P V,
-    the output rounded to low_dtype)."""
-    b, sq, h, d = q.shape
-    ct = torch.float32 if low_dtype is not None else torch.float64
-    left, right = window
-    if causal:
-        right = 0
-    outs, lses = [], []
-    for r in range(b):
-        k, v = keys[r], values[r]
-        sk, g = k.shape[0], h // k.shape[1]
-        kk = k.to(ct).repeat_interleave(g, dim=1)  # [sk, h, d]
-        vv = v.to(ct).repeat_interleave(g, dim=1)
-        s = torch.einsum("ihd,jhd->hij", q[r].to(ct), kk) * scale  # [h, sq, sk]
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        i = torch.arange(sq)[:, None]
-        j = torch.arange(sk)[None, :]
-        a = i + sk - sq
-        keep = torch.ones(sq, sk, dtype=torch.bool)
-        if right >= 0:
-            keep &= j <= a + right
-        if left >= 0:
-            keep &= j >= a - left
-        if slopes is not None:
-            s = s - slopes[r].to(ct)[:, None, None] * (a - j).abs().to(ct)
-        s = s.masked_fill(~keep, -math.inf)
-        m = s.amax(-1, keepdim=True) if sk > 0 else torch.full((h, sq, 1), -math.inf, dtype=ct)
-        empty = torch.isinf(m)
-        m0 = torch.where(empty, torch.zeros_like(m), m)
-        p = torch.exp(s - m0)
-        den = p.sum(-1, keepdim=True)
-        pv = p.to(low_dtype).to(ct) if low_dtype is not None else p
-        o = torch.einsum("hij,jhd->ihd", pv, vv) / den.clamp(min=1e-300).transpose(0, 1)
-        o = torch.where(empty.transpose(0, 1), torch.zeros_like(o), o)
-        if low_dtype is not None:
-            o = o.to(low_dtype)
-        outs.append(o.double())
-        lses.append(torch.where(empty, m, m0 + torch.log(den)).squeeze(-1).double())
-    return torch.stack(outs), torch.stack(lses)  # [b, sq, h, d], [b, h, sq]
-
-
-def _rotate64(x, cos, sin, pos, interleaved):
-    """x [b, s, h, d] rotated at pos [b, s] over its first 2 * cos.shape[1] dims, in float64,
-    rounded to x's dtype (the rotated q and k are the kernel's inputs)."""
-    half = cos.shape[1]
-    if half == 0:
-        return x
-    c = cos.double()[pos].unsqueeze(2)
-    s = sin.double()[pos].unsqueeze(2)
-    y = x.double().clone()
-    if interleaved:
-        x1, x2 = y[..., 0:2 * half:2].clone(), y[..., 1:2 * half:2].clone()
-        y[..., 0:2 * half:2], y[..., 1:2 * half:2] = x1 * c - x2 * s, x1 * s + x2 * c
-    else:
-        x1, x2 = y[..., :half].clone(), y[..., half:2 * half].clone()
-        y[..., :half], y[..., half:2 * half] = x1 * c - x2 * s, x1 * s + x2 * c
-    return y.to(x.dtype)
-
-
-def _assert_rule(got, ref, naive, atol, what):
-    """docs/testing.md: max|got - ref| <= 2 * max|naive - ref| + atol (non-finite mismatches
-    fail)."""
-    got, ref, naive = got.double().cpu(), ref.double(), naive.double()
-    assert torch.equal(torch.isfinite(got), torch.isfinite(ref)), f"{what}: non-finite differ"
-    fin = torch.isfinite(ref)
-    assert torch.equal(got[~fin], ref[~fin]), f"{what}: infinities differ"
-    err = (got[fin] - ref[fin]).abs().max().item() if fin.any() else 0.0
-    budget = 2 * ((naive[fin] - ref[fin]).abs().max().item() if fin.any() else 0.0) + atol
-    assert err <= budget, f"{what}: max error {err} > budget {budget}"
 
 
 # --- FlashAttention's test_flash_attn_kvcache grid -----------------------------------------

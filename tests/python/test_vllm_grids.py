@@ -3,6 +3,8 @@
 Written from the spec's descriptions of the grids and tolerances, not from vLLM's code:
 
 * ``test_varlen_with_paged_kv``: test_flash_attn.py::test_varlen_with_paged_kv.
+* ``test_flash_attn_with_paged_kv``: test_flash_attn.py::test_flash_attn_with_paged_kv (decode
+  through flash_attn_with_kvcache with vLLM's fork keywords; sampled, grid_sampling.py).
 * ``test_reshape_and_cache_flash``: test_cache.py::test_reshape_and_cache_flash.
 * ``test_merge_attn_states``: test_merge_attn_states.py::test_merge_attn_states.
 * ``test_causal_backend_correctness`` / ``test_sliding_window_backend_correctness``: the batch
@@ -30,6 +32,7 @@ import numpy as np
 import pytest
 
 from conftest import HAS_CUDA, HAS_TORCH
+from grid_sampling import sample_grid
 
 ON_CPU = os.environ.get("PAGEDATTN_GRIDS_ON_CPU") == "1"
 if not HAS_TORCH:
@@ -126,6 +129,68 @@ def test_varlen_with_paged_kv(seqs, heads, head_size, num_blocks, window, soft_c
         keys_of=_gathered_keys(key_cache, value_cache, block_table, kv_lens),
         sliding_window=window, logits_soft_cap=soft_cap)
     assert_close_torch(got, ref, atol=1.5e-2, rtol=1e-2)
+
+
+# --- test_flash_attn.py::test_flash_attn_with_paged_kv ------------------------------------
+# Decode (one query per request) through flash_attn_with_kvcache with vLLM's fork keywords
+# (out, fa_version, q/k/v descales [num_seqs, num_kv_heads]). Sampled (grid_sampling).
+
+PAGED_KV_GRID = [p for p in itertools.product(
+    [True, False],  # use_out
+    [(1328, 18, 463), (1, 54, 293, 70)],  # kv_lens
+    [(4, 4), (8, 2), (16, 2)],  # (num_query_heads, num_kv_heads)
+    [128, 256],  # head_size
+    [16, 32],  # block_size
+    ["float16", "bfloat16"],  # dtype
+    [None, 10.0, 50.0],  # soft_cap
+    [32768, 2048],  # num_blocks
+    [None, 256],  # sliding_window
+    [None, "fp8_e4m3"],  # q_dtype (vLLM: bfloat16 only)
+) if not (p[9] is not None and p[5] != "bfloat16")]
+
+
+@pytest.mark.parametrize(
+    "use_out,kv_lens,heads,head_size,block_size,dtype,soft_cap,num_blocks,window,q_dtype",
+    sample_grid(PAGED_KV_GRID, 12, 400, HAS_CUDA and not ON_CPU, seed=4), ids=lambda v: str(v))
+def test_flash_attn_with_paged_kv(use_out, kv_lens, heads, head_size, block_size, dtype,
+                                  soft_cap, num_blocks, window, q_dtype) -> None:
+    torch.manual_seed(0)
+    hq, hk = heads
+    if ON_CPU:
+        num_blocks = min(num_blocks, 512)
+    tdt = getattr(torch, dtype)
+    num_seqs = len(kv_lens)
+    query = torch.randn(num_seqs, hq, head_size, dtype=tdt, device=DEVICE)
+    key_cache = torch.randn(num_blocks, block_size, hk, head_size, dtype=tdt, device=DEVICE)
+    value_cache = torch.randn_like(key_cache)
+    kv_lens_t = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    max_blocks = math.ceil(max(kv_lens) / block_size)
+    block_table = torch.randint(0, num_blocks, (num_seqs, max_blocks), dtype=torch.int32,
+                                device=DEVICE)
+    scale = head_size ** -0.5
+    window_size = (window - 1, 0) if window is not None else (-1, -1)
+    q = query.unsqueeze(1)  # [num_seqs, 1, hq, d]
+    out = torch.empty_like(q) if use_out else None
+    descale = {}
+    if q_dtype is not None:  # fp8 query and caches, unit descales; the reference reads them
+        e4m3 = torch.float8_e4m3fn
+        q, key_cache, value_cache = (t.to(e4m3) for t in (q, key_cache, value_cache))
+        ones = torch.ones(num_seqs, hk, device=DEVICE)
+        descale = dict(q_descale=ones, k_descale=ones, v_descale=ones)
+    got = pt.flash_attn_with_kvcache(
+        q=q, k_cache=key_cache, v_cache=value_cache, out=out, softmax_scale=scale, causal=True,
+        block_table=block_table, cache_seqlens=kv_lens_t, softcap=soft_cap or 0.0,
+        window_size=window_size, fa_version=3, **descale)
+    if use_out:
+        assert got is out
+    got = got.squeeze(1)
+    cu_q = np.arange(num_seqs + 1, dtype=np.int32)
+    ref, _ = R.attention_reference(
+        q.squeeze(1).double().cpu().numpy(), cu_q, list(kv_lens), scale,
+        keys_of=_gathered_keys(key_cache, value_cache, block_table, kv_lens),
+        sliding_window=window, logits_soft_cap=soft_cap)
+    atol, rtol = (1.5e-1, 1.5e-1) if q_dtype is not None else (1.5e-2, 1e-2)
+    assert_close_torch(got, ref, atol=atol, rtol=rtol)
 
 
 # --- test_cache.py::test_reshape_and_cache_flash -------------------------------------------

@@ -1,5 +1,6 @@
 """pagedattn for PyTorch: ops registered with torch.library, an ``Attention`` module and
-drop-in replacements for vLLM's FlashAttention functions.
+drop-in replacements for vLLM's FlashAttention functions; ``pagedattn.torch.fa2`` and
+``pagedattn.torch.fa3`` carry FlashAttention 2's and 3's own signatures.
 
 Importing this module registers ``torch.ops.pagedattn.write_kv``,
 ``torch.ops.pagedattn.attention`` and ``torch.ops.pagedattn.merge_attn_states`` (each with a
@@ -22,6 +23,7 @@ from pagedattn.torch.flash_attn import (
     reshape_and_cache_flash,
 )
 from pagedattn.torch.kvcache import flash_attn_with_kvcache
+from pagedattn.torch import fa2, fa3  # noqa: E402  (FlashAttention 2 / 3 signatures)
 from pagedattn.torch.layer import (
     Attention,
     AttentionMetadata,
@@ -37,6 +39,8 @@ __all__ = [
     "ForwardContext",
     "allocate_kv_cache",
     "flash_attn_varlen_func",
+    "fa2",
+    "fa3",
     "flash_attn_with_kvcache",
     "get_forward_context",
     "merge_attn_states",

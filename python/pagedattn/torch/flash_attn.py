@@ -105,6 +105,8 @@ def flash_attn_varlen_func(
     cu_seqlens_q_cpu: Optional[torch.Tensor] = None,
     seqused_k_cpu: Optional[torch.Tensor] = None,
     backend: str = "",
+    _lse_out: Optional[torch.Tensor] = None,
+    _query_quant: Optional[bool] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Varlen attention, paged (``block_table`` given) or over packed K/V.
 
@@ -122,7 +124,9 @@ def flash_attn_varlen_func(
     its values are ``q * q_descale``; the output is then ``out``'s dtype (default bfloat16).
 
     pagedattn extensions (keyword-only): ``cu_seqlens_q_cpu`` / ``seqused_k_cpu`` host copies
-    that let the CUDA backend plan KV splits, ``backend`` to force one by name.
+    that let the CUDA backend plan KV splits, ``backend`` to force one by name. ``_lse_out``
+    and ``_query_quant`` are for the FlashAttention 2/3 drop-ins (fa2.py, fa3.py): an LSE
+    buffer to fill, and a query they already widened from fp8.
 
     v may have a head size of its own, ``dv <= head_size`` (FlashAttention 3's dv; vLLM's MLA
     prefill passes Q/K 192 and V 128): served by the cpu and ref backends, refused by cuda.
@@ -169,9 +173,12 @@ def flash_attn_varlen_func(
         if cu_seqlens_k is None:
             raise _C.InvalidArgument("seqused_k (or cu_seqlens_k) is required")
         seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    if _query_quant is not None:
+        query_quant = _query_quant
     if out is None:
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    lse = _lse_out if _lse_out is not None else torch.empty(
+        (q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     # Descales [batch, num_kv_heads] (or [num_kv_heads]) of differing values go to the backend
     # per head; those that serve them (ref, cpu) do, the others refuse with their reason.
     k_scale, k_scales = _host_scales(k_descale, "k_descale")

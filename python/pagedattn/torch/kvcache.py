@@ -16,7 +16,7 @@ import torch
 
 from pagedattn import _C
 from pagedattn.torch import _ops
-from pagedattn.torch.flash_attn import _host_scales
+from pagedattn.torch.flash_attn import _fp8_query, _host_scales
 
 Number = Union[float, int]
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -135,6 +135,10 @@ def flash_attn_with_kvcache(
     k_descale: Union[torch.Tensor, float, None] = None,
     v_descale: Union[torch.Tensor, float, None] = None,
     backend: str = "",
+    out: Optional[torch.Tensor] = None,
+    q_descale: Union[torch.Tensor, float, None] = None,
+    fa_version: Optional[int] = None,
+    scheduler_metadata: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """FlashAttention 2's decode entry point: attention of q over a KV cache, after appending
     the new k/v into it at ``cache_seqlens`` (in place).
@@ -151,12 +155,15 @@ def flash_attn_with_kvcache(
     ``num_splits`` is a tuning hint (the backend plans its own splits).
 
     pagedattn extensions (keyword-only): ``kv_cache_dtype`` and ``k_descale`` / ``v_descale``
-    for an fp8 cache, ``backend`` to force one.
+    for an fp8 cache, ``backend`` to force one. vLLM's fork adds (keyword-only) ``out`` (written
+    and returned), ``q_descale`` for a float8_e4m3fn q (its values are ``q * q_descale``; the
+    output is then ``out``'s dtype, bfloat16 without ``out``), ``fa_version`` and
+    ``scheduler_metadata`` (accepted and ignored: one implementation, its own planning).
 
     Returns out ``[batch, seqlen_q, nheads, d]``, and with ``return_softmax_lse`` also the LSE
     float32 ``[batch, nheads, seqlen_q]`` (natural log; -inf for a query that sees no key).
     """
-    del num_splits  # a tuning hint; the backend plans its own splits
+    del num_splits, fa_version, scheduler_metadata  # hints; the backend plans its own splits
     if q.dim() != 4:
         raise _C.InvalidArgument(
             f"q must be [batch, seqlen_q, nheads, headdim]; got shape {list(q.shape)}")
@@ -173,6 +180,15 @@ def flash_attn_with_kvcache(
     if nheads % nheads_k != 0:
         raise _C.InvalidArgument(
             f"nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
+    query_quant = False
+    fp8_scale = 1.0
+    if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8):
+        # vLLM's fp8 query (FA3): widened exactly to the output dtype, q_descale folded into
+        # the logit scale (flash_attn._fp8_query).
+        if k is not None or rotary_cos is not None:
+            raise _C.NotSupported("an fp8 q with new k / v or rotary is not supported")
+        q, fp8_scale, query_quant = _fp8_query(q, q_descale, 1.0, k_cache, kv_cache_dtype, out,
+                                               backend)
     cache_dtype = _ops.resolve_kv_cache_dtype(kv_cache_dtype, q, k_cache)
     dev = q.device
     paged = block_table is not None
@@ -305,7 +321,8 @@ def flash_attn_with_kvcache(
         host_k = [s + seqlen_new - p for s, p in zip(host_seq, host_pad)]
 
     qf = q.reshape(batch * seqlen_q, nheads, d)
-    scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
+    user_out = out
+    scale = (float(softmax_scale) if softmax_scale is not None else d ** -0.5) * fp8_scale
     slopes = _alibi_rows(alibi_slopes, batch, nheads)
     per_request = slopes is not None and any(row != slopes[0] for row in slopes)
     # A causal query sees no key when its request has fewer keys than queries (output 0):
@@ -318,7 +335,7 @@ def flash_attn_with_kvcache(
     call = dict(key_cache=key_cache, value_cache=value_cache, table=table, seq_k=seq_k,
                 attn_type=attn_type, scale=scale, window=window, softcap=float(softcap or 0.0),
                 cache_dtype=cache_dtype, k_scale=k_scale, v_scale=v_scale, k_scales=k_scales,
-                v_scales=v_scales, backend=backend)
+                v_scales=v_scales, backend=backend, query_quant=query_quant)
     if not (starved or per_request):
         out = torch.empty_like(qf)
         lse = torch.empty((nheads, batch * seqlen_q), dtype=torch.float32, device=dev)
@@ -346,10 +363,17 @@ def flash_attn_with_kvcache(
                     slopes[reqs[0]] if slopes else None, **sub)
             out[idx] = o
             lse[:, idx] = l_
-    out = out.view(batch, seqlen_q, nheads, d)
+    res = out.view(batch, seqlen_q, nheads, d)
+    if user_out is not None:
+        if tuple(user_out.shape) != tuple(res.shape) or user_out.dtype != res.dtype:
+            raise _C.InvalidArgument(
+                f"out must be {res.dtype} {list(res.shape)}; got {user_out.dtype} "
+                f"{list(user_out.shape)}")
+        user_out.copy_(res)
+        res = user_out
     if not return_softmax_lse:
-        return out
-    return out, lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
+        return res
+    return res, lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
 def _scale_rows(scales: Optional[List[float]], reqs: List[int], batch: int,
@@ -366,7 +390,7 @@ def _attend(qf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, counts: List
             seq_k: torch.Tensor, attn_type: str, scale: float, window: int, softcap: float,
             cache_dtype: str, k_scale: float, v_scale: float, backend: str,
             k_scales: Optional[List[float]] = None,
-            v_scales: Optional[List[float]] = None) -> None:
+            v_scales: Optional[List[float]] = None, query_quant: bool = False) -> None:
     """One pagedattn::attention call: qf [sum(counts), nheads, d], the rows of requests with
     counts[r] queries and seq_k[r] keys read through table [requests, columns]."""
     dev = qf.device
@@ -383,4 +407,5 @@ def _attend(qf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, counts: List
         qf, None, None, key_cache, value_cache, cu, seq_k, table, out, lse, max(counts),
         max(max_k, 1), int(cu_host[-1]), attn_type, scale, window, softcap, slopes, None,
         cache_dtype, k_scale, v_scale, cu_host if on_cuda else None,
-        seq_k_cpu if on_cuda else None, backend, k_scales=k_scales, v_scales=v_scales)
+        seq_k_cpu if on_cuda else None, backend, query_quant, k_scales=k_scales,
+        v_scales=v_scales)
