@@ -3,7 +3,7 @@
 ``flash_attn_varlen_func`` has the signature of vLLM's ``vllm_flash_attn.flash_attn_varlen_func``,
 ``reshape_and_cache_flash`` and ``merge_attn_states`` those of ``vllm._custom_ops``;
 ``flash_attn_with_kvcache`` (FlashAttention's decode API) is in kvcache.py. The differences are
-listed in docs/python.md ("Drop-in functions").
+listed in docs/drop_ins.md.
 """
 
 from __future__ import annotations

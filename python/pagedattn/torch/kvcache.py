@@ -5,7 +5,7 @@ FlashAttention does), then ``pagedattn::attention`` reads every key through a bl
 contiguous cache ``[batch_cache, seqlen_cache, ...]`` is a paged cache of one block per row
 (page size ``seqlen_cache``); with ``cache_leftpad`` it is read as one-token pages so that each
 row's keys can start past its padding. The differences from FlashAttention are listed in
-docs/python.md ("Drop-in functions").
+docs/drop_ins.md.
 """
 
 from __future__ import annotations
