@@ -46,8 +46,9 @@ class MultiHeadAttention {
   const AttentionConfig& config() const { return config_; }
   const Backend& backend() const { return *backend_; }
 
-  /// query [B, Sq, Hq*D] or [B, Sq, Hq, D]; key / value [B, Skv, Hkv*D] or 4-D (Skv >= 1
-  /// when Sq >= 1; any Skv otherwise), on the layer's device in its dtype; output like query.
+  /// query [B, Sq, Hq*D] or [B, Sq, Hq, D]; key / value [B, Skv, Hkv*D] or 4-D (any Skv;
+  /// Skv = 0 gives output 0, as FlashAttention), on the layer's device in its dtype; output
+  /// like query.
   /// Skv != Sq runs on the selected backend's cross-attention path (NotSupported, with its
   /// reasons, when that backend refuses it). Per-(B, Sq, Skv) metadata is built once and kept on
   /// the device, so repeated shapes launch without host work beyond the plan. The attention is

@@ -328,8 +328,8 @@ void bind_layer(nb::module_& m) {
       .def("forward", &mha_forward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
            nb::arg("output").none() = nb::none(), nb::arg("stream") = 0,
            "query [B, Sq, num_heads*head_size] (or 4-D), key/value [B, Skv, "
-           "num_kv_heads*head_size] (or 4-D), any Skv >= 1 (Skv != Sq runs as cross "
-           "attention). Without output, returns a new array shaped like query.")
+           "num_kv_heads*head_size] (or 4-D), any Skv (Skv != Sq runs as cross attention; "
+           "Skv = 0 gives output 0). Without output, returns a new array shaped like query.")
       .def("__call__", &mha_forward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
            nb::arg("output").none() = nb::none(), nb::arg("stream") = 0);
 

@@ -1,5 +1,7 @@
 #include "pagedattn/mha.h"
 
+#include "pagedattn/device.h"
+#include "pagedattn/dtype.h"
 #include "pagedattn/error.h"
 
 namespace pagedattn {
@@ -136,6 +138,32 @@ const MultiHeadAttention::Step& MultiHeadAttention::step_for(int batch, int seq_
   return *slot;
 }
 
+namespace {
+
+// Writes 0 to every element of `output` [rows, heads, head_size] on `stream`: one memset when
+// its rows are packed, else element by element on the host; a strided device view is refused.
+void zero_rows(const TensorView& output, Stream stream) {
+  if (output.is_contiguous()) {
+    require_device(output.device)
+        .memset_async(output.data, 0, output.nbytes(), output.device.index, stream);
+    return;
+  }
+  require<NotSupported>(output.device.is_cpu(),
+                        "MultiHeadAttention: a key length of 0 zeroes the output, which must then "
+                        "be contiguous on a device; got ",
+                        describe(output));
+  for (int64_t r = 0; r < output.size(0); ++r) {
+    for (int64_t h = 0; h < output.size(1); ++h) {
+      for (int64_t e = 0; e < output.size(2); ++e) {
+        store_element(output.data, output.dtype,
+                      r * output.stride(0) + h * output.stride(1) + e * output.stride(2), 0.0);
+      }
+    }
+  }
+}
+
+}  // namespace
+
 void MultiHeadAttention::forward(const TensorView& query_in, const TensorView& key_in,
                                  const TensorView& value_in, const TensorView& output_in,
                                  Stream stream) {
@@ -162,8 +190,11 @@ void MultiHeadAttention::forward(const TensorView& query_in, const TensorView& k
   require(batch * seq_kv <= int64_t(1) << 31, "batch * key length (", batch * seq_kv,
           ") exceeds 2^31");
   if (batch == 0 || seq == 0) return;
-  require(seq_kv >= 1, "key must have at least 1 token per batch element when the query has ", seq,
-          "; got 0");
+  if (seq_kv == 0) {
+    // No keys: every row sees none, and its output is 0 (FlashAttention's answer).
+    zero_rows(output, stream);
+    return;
+  }
   const bool cross = seq_kv != seq;
   const AttentionConfig& cfg = cross ? cross_config_ : config_;
   AttentionImpl& impl = cross ? cross_impl() : *impl_;

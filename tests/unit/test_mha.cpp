@@ -2,6 +2,7 @@
 // backend against a float64 loop in this file, within the accuracy rule (accuracy.h).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <random>
@@ -42,16 +43,42 @@ TEST(MultiHeadAttention, ChecksShapes) {
   Tensor longer = Tensor::zeros({2, 7, 32}, DType::kF32);
   EXPECT_ERROR(mha.forward(q.view(), longer.view(), kv.view(), out.view()), InvalidArgument,
                "key has 7 tokens per batch element and value 5");
-  Tensor none = Tensor::zeros({2, 0, 32}, DType::kF32);
-  EXPECT_ERROR(mha.forward(q.view(), none.view(), none.view(), out.view()), InvalidArgument,
-               "key must have at least 1 token per batch element when the query has 5; got 0");
-  TensorView empty = none.view();  // as a DLPack producer may hand it over: strides all 0
-  empty.strides = {0, 0, 0, 0, 0, 0};
-  EXPECT_ERROR(mha.forward(q.view(), empty, empty, out.view()), InvalidArgument,
-               "key must have at least 1 token per batch element when the query has 5; got 0");
   Tensor other_batch = Tensor::zeros({3, 7, 32}, DType::kF32);
   EXPECT_ERROR(mha.forward(q.view(), other_batch.view(), other_batch.view(), out.view()),
                InvalidArgument, "must have the same batch size; got 2, 3, 3, 2");
+}
+
+// No keys at all: every row sees none and its output is 0 (FlashAttention's answer), on a
+// poisoned output, packed or strided, with empty views as a DLPack producer may hand them over.
+TEST(MultiHeadAttention, NoKeysGiveZeroOutput) {
+  for (const char* backend : {"ref", "cpu"}) {
+    if (default_registry().find(backend) == nullptr) continue;
+    MultiHeadAttentionOptions o = mha_options(4, 2, 16, DType::kF32);
+    o.attn_backend = std::string(backend);
+    MultiHeadAttention mha(o);
+    std::mt19937 rng(3);
+    const Tensor q = test::random_tensor({2, 5, 64}, DType::kF32, rng);
+    Tensor none = Tensor::zeros({2, 0, 32}, DType::kF32);
+    TensorView empty = none.view();
+    empty.strides = {0, 0, 0, 0, 0, 0};
+    Tensor wide = Tensor::empty({2, 5, 128}, DType::kF32);  // output: every other 64 columns
+    TensorView strided = wide.view();
+    strided.shape = {2, 5, 64, 0, 0, 0};
+    for (const TensorView& keys : {none.view(), empty}) {
+      for (const bool packed : {true, false}) {
+        Tensor out = Tensor::empty({2, 5, 64}, DType::kF32);
+        const TensorView o_view = packed ? out.view() : strided;
+        float* base = static_cast<float*>(packed ? out.data() : wide.data());
+        std::fill(base, base + (packed ? 2 * 5 * 64 : 2 * 5 * 128), std::nanf(""));
+        mha.forward(q.view(), keys, keys, o_view);
+        for (int64_t i = 0; i < 2 * 5; ++i) {
+          for (int64_t c = 0; c < 64; ++c) {
+            EXPECT_EQ(base[i * (packed ? 64 : 128) + c], 0.0f) << backend << " row " << i;
+          }
+        }
+      }
+    }
+  }
 }
 
 // ref with cross attention (encoder_decoder) refused: a key length other than the query's
