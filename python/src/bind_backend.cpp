@@ -158,8 +158,15 @@ KVCache allocate(const AttentionConfig* config, int64_t num_blocks, int block_si
                            parse_kv_cache_layout(layout), d);
 }
 
+// The combined [num_blocks, 2, ...] array, or for a V head size of its own (no combined view)
+// the (key_cache, value_cache) pair of [num_blocks, block_size, num_kv_heads, d / dv] views of
+// its one storage, the form write_kv and forward take.
 nb::object export_cache(const KVCache& cache) {
   nb::capsule owner(new KVCache(cache), [](void* p) noexcept { delete static_cast<KVCache*>(p); });
+  if (cache.split()) {
+    const KVCacheView v = cache.view();
+    return nb::make_tuple(export_view(v.key, owner), export_view(v.value, owner));
+  }
   return export_view(cache.tensor(), owner);
 }
 
@@ -290,7 +297,8 @@ void bind_backend(nb::module_& m) {
         return export_cache(allocate(&config, num_blocks, 0, 0, 0, nb::none(), "NHD", device));
       },
       nb::arg("config"), nb::arg("num_blocks"), nb::arg("device") = "cpu",
-      "A cache for config (its block size, KV heads, head size, cache dtype and layout).");
+      "A cache for config (its block size, KV heads, head size, cache dtype and layout); with "
+      "a v_head_size of its own, a (key_cache, value_cache) pair of views of one storage.");
 
   m.def(
       "merge_attn_states",

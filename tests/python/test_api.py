@@ -85,6 +85,22 @@ def test_allocate_kv_cache_layouts() -> None:
     assert pa.array_info(bf16) == ("bfloat16", [2, 2, 16, 1, 16], "cpu")
 
 
+def test_allocate_kv_cache_with_its_own_v_head_size() -> None:
+    # No combined [num_blocks, 2, ...] view exists: the pair of views of one storage comes back,
+    # and write_kv fills each page at its own head size.
+    config = _config(head_size=64)
+    config.v_head_size = 32
+    key_cache, value_cache = pa.allocate_kv_cache(config, 3)
+    assert key_cache.shape == (3, 16, 2, 64) and value_cache.shape == (3, 16, 2, 32)
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((2, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 32)).astype(np.float32)
+    pa.write_kv(k, v, np.array([17, 40], np.int64), (key_cache, value_cache))
+    np.testing.assert_array_equal(key_cache[1, 1], k[0])
+    np.testing.assert_array_equal(value_cache[2, 8], v[1])
+    assert np.count_nonzero(value_cache) == v.size and np.count_nonzero(key_cache) == k.size
+
+
 def test_backends_explain_and_select() -> None:
     names = [b.name for b in pa.list_backends()]
     assert names[-1] == "ref" and ("cpu" in names) == pa.with_cpu_backend
