@@ -205,6 +205,29 @@ class _NoBackward(torch.autograd.Function):
                               "(inference); FlashAttention's backward is not offered")
 
 
+def unpack(t: torch.Tensor, parts: int, dim: int, name: str, layout: str):
+    """The `parts` tensors packed along `dim` of `t` (FlashAttention's kv / qkv packed forms);
+    InvalidArgument naming `name` and its `layout` otherwise."""
+    if t.dim() != dim + 3 or t.shape[dim] != parts:
+        raise _C.InvalidArgument(f"{name} must be {layout}; got {list(t.shape)}")
+    return t.unbind(dim=dim)
+
+
+def batched_as_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Batched q [b, sq, h, d] and k / v [b, sk, hk, d / dv] as varlen requests of equal
+    lengths: (q [b*sq, h, d], k, v [b*sk, hk, ...], cu_seqlens_q, cu_seqlens_k, sq, sk)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise _C.InvalidArgument(
+            f"q, k, v must be [batch, seqlen, heads, dim]; got {list(q.shape)}, "
+            f"{list(k.shape)}, {list(v.shape)}")
+    b, sq = q.shape[:2]
+    sk = k.shape[1]
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq
+    cu_k = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sk
+    return (q.reshape(b * sq, *q.shape[2:]), k.reshape(b * sk, *k.shape[2:]),
+            v.reshape(b * sk, *v.shape[2:]), cu_q, cu_k, sq, sk)
+
+
 def no_backward(out: torch.Tensor, *inputs: Optional[torch.Tensor]) -> torch.Tensor:
     """out, tied to the inputs that require grad so that backward raises NotSupported."""
     needs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]

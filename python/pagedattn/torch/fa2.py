@@ -91,9 +91,7 @@ def flash_attn_varlen_kvpacked_func(
     backend: str = "",
 ) -> torch.Tensor:
     """kv ``[total_k, 2, kv_heads, d]``; otherwise flash_attn_varlen_func."""
-    if kv.dim() != 4 or kv.shape[1] != 2:
-        raise _C.InvalidArgument(f"kv must be [total_k, 2, kv_heads, d]; got {list(kv.shape)}")
-    k, v = kv.unbind(dim=1)
+    k, v = C.unpack(kv, 2, 1, "kv", "[total_k, 2, kv_heads, d]")
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                   softcap, alibi_slopes, deterministic, return_attn_probs,
@@ -116,9 +114,7 @@ def flash_attn_varlen_qkvpacked_func(
     backend: str = "",
 ) -> torch.Tensor:
     """qkv ``[total, 3, heads, d]`` (one set of lengths for queries and keys)."""
-    if qkv.dim() != 4 or qkv.shape[1] != 3:
-        raise _C.InvalidArgument(f"qkv must be [total, 3, heads, d]; got {list(qkv.shape)}")
-    q, k, v = qkv.unbind(dim=1)
+    q, k, v = C.unpack(qkv, 3, 1, "qkv", "[total, 3, heads, d]")
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs,
@@ -144,20 +140,11 @@ def flash_attn_func(
     kv_heads, d]``, run as varlen requests of equal lengths. Returns ``[batch, seqlen_q, heads,
     d]``."""
     _check(dropout_p, return_attn_probs)
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise _C.InvalidArgument(
-            f"q, k, v must be [batch, seqlen, heads, dim]; got {list(q.shape)}, "
-            f"{list(k.shape)}, {list(v.shape)}")
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
-    dev = q.device
-    cu_q = torch.arange(b + 1, dtype=torch.int32, device=dev) * sq
-    cu_k = torch.arange(b + 1, dtype=torch.int32, device=dev) * sk
-    out = flash_attn_varlen_func(q.reshape(b * sq, h, d), k.reshape(b * sk, *k.shape[2:]),
-                                 v.reshape(b * sk, *v.shape[2:]), cu_q, cu_k, sq, sk, dropout_p,
-                                 softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                 deterministic, False, backend=backend)
-    return out.view(b, sq, h, out.shape[-1])
+    qf, kf, vf, cu_q, cu_k, sq, sk = C.batched_as_varlen(q, k, v)
+    out = flash_attn_varlen_func(qf, kf, vf, cu_q, cu_k, sq, sk, dropout_p, softmax_scale,
+                                 causal, window_size, softcap, alibi_slopes, deterministic, False,
+                                 backend=backend)
+    return out.view(q.shape[0], sq, q.shape[2], out.shape[-1])
 
 
 def flash_attn_kvpacked_func(
@@ -175,10 +162,7 @@ def flash_attn_kvpacked_func(
     backend: str = "",
 ) -> torch.Tensor:
     """kv ``[batch, seqlen_k, 2, kv_heads, d]``; otherwise flash_attn_func."""
-    if kv.dim() != 5 or kv.shape[2] != 2:
-        raise _C.InvalidArgument(
-            f"kv must be [batch, seqlen_k, 2, kv_heads, d]; got {list(kv.shape)}")
-    k, v = kv.unbind(dim=2)
+    k, v = C.unpack(kv, 2, 2, "kv", "[batch, seqlen_k, 2, kv_heads, d]")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, backend=backend)
 
@@ -197,9 +181,6 @@ def flash_attn_qkvpacked_func(
     backend: str = "",
 ) -> torch.Tensor:
     """qkv ``[batch, seqlen, 3, heads, d]``; otherwise flash_attn_func."""
-    if qkv.dim() != 5 or qkv.shape[2] != 3:
-        raise _C.InvalidArgument(f"qkv must be [batch, seqlen, 3, heads, d]; got "
-                                 f"{list(qkv.shape)}")
-    q, k, v = qkv.unbind(dim=2)
+    q, k, v = C.unpack(qkv, 3, 2, "qkv", "[batch, seqlen, 3, heads, d]")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, backend=backend)

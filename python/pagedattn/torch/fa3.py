@@ -108,18 +108,10 @@ def flash_attn_func(
     d]``, v ``[batch, seqlen_k, kv_heads, dv]``, as flash_attn_varlen_func with equal lengths.
     Returns out ``[batch, seqlen_q, heads, dv]`` (and the LSE ``[batch, heads, seqlen_q]`` with
     ``return_attn_probs``)."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise _C.InvalidArgument(
-            f"q, k, v must be [batch, seqlen, heads, dim]; got {list(q.shape)}, "
-            f"{list(k.shape)}, {list(v.shape)}")
-    b, sq, h, _ = q.shape
-    sk = k.shape[1]
-    dev = q.device
-    cu_q = torch.arange(b + 1, dtype=torch.int32, device=dev) * sq
-    cu_k = torch.arange(b + 1, dtype=torch.int32, device=dev) * sk
+    qf, kf, vf, cu_q, cu_k, sq, sk = C.batched_as_varlen(q, k, v)
+    b, h = q.shape[0], q.shape[2]
     out, lse = C.varlen_core(
-        q.reshape(b * sq, h, q.shape[3]), k.reshape(b * sk, *k.shape[2:]),
-        v.reshape(b * sk, *v.shape[2:]), cu_q, cu_k, sq, sk, scale=softmax_scale,
+        qf, kf, vf, cu_q, cu_k, sq, sk, scale=softmax_scale,
         causal=causal, window_size=window_size, chunk=int(attention_chunk),
         softcap=float(softcap or 0.0),
         qv=None if qv is None else qv.reshape(b * sq, h, qv.shape[3]), q_descale=q_descale,
@@ -151,10 +143,7 @@ def flash_attn_qkvpacked_func(
     """qkv ``[batch, seqlen, 3, heads, d]``, or ``[batch, seqlen, num_heads_q + 2 * kv_heads,
     d]`` with ``num_heads_q`` (GQA), split and passed to flash_attn_func."""
     if qkv.dim() == 5:
-        if qkv.shape[2] != 3:
-            raise _C.InvalidArgument(f"qkv must be [batch, seqlen, 3, heads, d]; got "
-                                     f"{list(qkv.shape)}")
-        q, k, v = qkv.unbind(dim=2)
+        q, k, v = C.unpack(qkv, 3, 2, "qkv", "[batch, seqlen, 3, heads, d]")
     elif qkv.dim() == 4 and num_heads_q is not None:
         hk = (qkv.shape[2] - num_heads_q) // 2
         if hk <= 0 or num_heads_q + 2 * hk != qkv.shape[2]:
