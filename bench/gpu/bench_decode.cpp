@@ -190,6 +190,9 @@ json run_point(const Backend& backend, const Shape& s, const Options& o, size_t 
   return r;
 }
 
+/// The head-size sweep (groups heads-*): compiled sizes and the sizes between them.
+constexpr int kSweepHeadSizes[] = {32, 40, 48, 64, 72, 80, 96, 112, 128, 160, 192, 224, 256};
+
 std::vector<Shape> shapes(const Options& o) {
   std::vector<Shape> v;
   const std::vector<int> batches =
@@ -255,6 +258,21 @@ std::vector<Shape> shapes(const Options& o) {
     x.group = "q4";
     x.q_len = 4;
     v.push_back(x);
+  }
+  // Head sizes between and below the compiled ones (a bucket: the next compiled instance with
+  // zero columns past the problem's) beside the compiled ones, bf16 and fp8 caches, at one
+  // memory-bound point. bytes/s counts the problem's head size.
+  for (int d : kSweepHeadSizes) {
+    for (const KVCacheDType kv : {KVCacheDType::kAuto, KVCacheDType::kFp8E4M3}) {
+      if (kv == KVCacheDType::kFp8E4M3 && d % 16 != 0) continue;  // fp8 rows of 16-byte chunks
+      Shape x;
+      x.group = std::string("heads-") + (kv == KVCacheDType::kAuto ? "bf16" : "fp8");
+      x.batch = 64;
+      x.context = 4096;
+      x.head_size = d;
+      x.kv = kv;
+      v.push_back(x);
+    }
   }
   Shape step;
   step.group = "step-32-layers";

@@ -205,6 +205,19 @@ std::vector<Shape> shapes(bool quick) {
       v.push_back(s);
     }
   }
+  // Head sizes between and below the compiled ones (a bucket: the next compiled instance with
+  // zero columns past the problem's) beside the compiled ones: causal 4k, 16k tokens per
+  // launch. FLOP/s counts the problem's head size.
+  if (!quick) {
+    for (int d : {32, 40, 48, 64, 72, 80, 96, 112, 128, 160, 192, 224, 256}) {
+      Shape s;
+      s.group = "heads-causal";
+      s.head_size = d;
+      s.q_len = 4096;
+      s.batch = 4;
+      v.push_back(s);
+    }
+  }
   // Chunked prefill with few heads per GPU (tensor parallel 4: 8 query heads, 1 KV head).
   for (int ctx : quick ? std::vector<int>{16384} : std::vector<int>{8192, 16384, 32768}) {
     for (int chunk : quick ? std::vector<int>{512} : std::vector<int>{256, 512, 1024}) {
@@ -288,7 +301,7 @@ int main(int argc, char** argv) {
       results.push_back(r);
     }
     for (int seq : {577, 1025}) {
-      for (int d : {64, 80}) {
+      for (int d : {64, 72, 80}) {
         if (quick && (seq != 577 || d != 64)) continue;
         char name[128];
         std::snprintf(name, sizeof name, "vit-mha b32 s%d h16 d%d", seq, d);

@@ -22,6 +22,7 @@
 #include "cuda/backend/q_map.h"
 #include "cuda/decode/launch.h"
 #include "cuda/mla/launch.h"
+#include "cuda/prefill/launch.h"
 #include "cuda/prefill/walk.h"
 #include "pagedattn/accuracy.h"
 #include "pagedattn/error.h"
@@ -70,24 +71,64 @@ TEST(CudaBackendHost, RegisteredBeforeRefAndRefusesHostTensors) {
   EXPECT_NE(reasons[0].find("runs on CUDA devices only"), std::string::npos) << reasons[0];
 }
 
-TEST(CudaBackendHost, HeadSizeReasonListsTheCompiledSizes) {
+// Every head size from 8 to 256 in steps of 8 (16 over an fp8 cache) runs on the smallest
+// compiled instance that holds it (its bucket), decode and prefill alike; other sizes are
+// refused with a reason that names the rule.
+TEST(CudaBackendHost, HeadSizesRunOnTheSmallestCompiledInstanceThatHoldsThem) {
+  for (const DType cache : {DType::kBF16, DType::kFp8E4M3}) {
+    const std::vector<int> compiled = cuda::decode::compiled_head_sizes(
+        DType::kBF16, cache == DType::kBF16 ? cuda::attn::KVKind::kSame : cuda::attn::KVKind::kFp8);
+    ASSERT_FALSE(compiled.empty());
+    const int step = cache == DType::kBF16 ? 8 : 16;
+    for (int d = 1; d <= 264; ++d) {
+      SCOPED_TRACE(detail::cat("head_size ", d, " over ", dtype_name(cache)));
+      const cuda::decode::DecodeKernel* k = cuda::decode::find_decode(DType::kBF16, cache, d);
+      const cuda::prefill::PrefillKernel* pk =
+          cuda::prefill::find_prefill(DType::kBF16, cache, d, 9);
+      int bucket = 0;
+      for (int s : compiled) {
+        if (s >= d) {
+          bucket = s;
+          break;
+        }
+      }
+      if (d % step != 0 || d > 256 || bucket == 0) {
+        EXPECT_EQ(k, nullptr);
+        EXPECT_EQ(pk, nullptr);
+        continue;
+      }
+      ASSERT_NE(k, nullptr);
+      EXPECT_EQ(k->head_size, bucket);
+      ASSERT_NE(pk, nullptr);
+      EXPECT_EQ(pk->head_size, bucket);
+      if (cache == DType::kBF16) {
+        EXPECT_EQ(pk->sm, 90);
+      }
+    }
+  }
+  // float32 runs on the generic kernel at every multiple of 8.
+  EXPECT_NE(cuda::decode::find_decode(DType::kF32, DType::kF32, 72), nullptr);
+  EXPECT_EQ(cuda::decode::find_decode(DType::kF32, DType::kF32, 59), nullptr);
+
   const auto backend = cuda::make_backend(cuda::BackendOptions{});
-  AttentionConfig c = gqa_config(DType::kBF16, 112);
-  std::string all;
-  for (const auto& r : backend->check({c, Device::cuda(0)})) all += r + "\n";
-  EXPECT_NE(all.find("head_size 112 is not compiled for bfloat16 activations"), std::string::npos)
-      << all;
-  EXPECT_NE(all.find("compiled: "), std::string::npos) << all;
-  EXPECT_NE(all.find("PAGEDATTN_CUDA_HEAD_SIZES"), std::string::npos) << all;
-  // float32 runs on the generic kernel: any multiple of 16 up to 256, nothing else.
-  c.dtype = DType::kF32;
-  all.clear();
-  for (const auto& r : backend->check({c, Device::cuda(0)})) all += r + "\n";
-  EXPECT_EQ(all.find("head_size"), std::string::npos) << all;
+  auto reasons = [&](AttentionConfig c) {
+    std::string all;
+    for (const auto& r : backend->check({c, Device::cuda(0)})) all += r + "\n";
+    return all;
+  };
+  AttentionConfig c = gqa_config(DType::kBF16, 72);
+  EXPECT_EQ(reasons(c).find("head_size"), std::string::npos) << reasons(c);
+  c.head_size = 59;
+  EXPECT_NE(reasons(c).find("head_size 59 over a bfloat16 cache: the cuda kernels take head sizes "
+                            "from 8 to 256 in steps of 8"),
+            std::string::npos)
+      << reasons(c);
   c.head_size = 72;
-  all.clear();
-  for (const auto& r : backend->check({c, Device::cuda(0)})) all += r + "\n";
-  EXPECT_NE(all.find("multiple of 16"), std::string::npos) << all;
+  c.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+  EXPECT_NE(reasons(c).find("in steps of 16"), std::string::npos) << reasons(c);
+  c.dtype = DType::kF32;
+  c.kv_cache_dtype = KVCacheDType::kAuto;
+  EXPECT_EQ(reasons(c).find("head_size"), std::string::npos) << reasons(c);
 }
 
 // A V head size of its own (AttentionConfig::v_head_size) is served on the host only.

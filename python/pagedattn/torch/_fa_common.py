@@ -295,6 +295,12 @@ def varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.T
         # products unchanged; the scale stays d's) or to v (sliced off the output).
         width = max(D, dv)
         q, k, v = (_pad_last(t, width) for t in (q, k, v))
+    if q.is_cuda and k.dim() == 3 and q.shape[-1] % 8 != 0:
+        # The cuda kernels take head sizes in steps of 8: zero columns appended to q, k and v
+        # up to the next one, as FlashAttention pads (the scale stays d's; the padding is
+        # sliced off the output). A paged cache is the caller's and cannot be padded here.
+        width = (q.shape[-1] + 7) // 8 * 8
+        q, k, v = (_pad_last(t, width) for t in (q, k, v))
     # Descales: fp8 only (FlashAttention 3 ignores them for 16-bit inputs).
     kv_scale = (1.0, 1.0)
     post = None

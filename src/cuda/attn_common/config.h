@@ -18,6 +18,17 @@ enum class KVKind : uint8_t {
   kAny,   ///< any cache dtype and any head size (run time): float CUDA-core math, the slow path
 };
 
+/// Largest head size of the paged attention kernels (MLA's latent kernel aside).
+inline constexpr int kMaxHeadSize = 256;
+/// Whether the paged attention kernels take rows of `head_size` elements of `elem_bytes` bytes:
+/// 8 to kMaxHeadSize in steps of 8 (Q and O move in 8-element chunks) whose cache rows are
+/// whole 16-byte chunks (steps of 16 for fp8 caches). A size between the compiled ones runs
+/// on the next larger instance (its bucket), whose extra columns stay zero in shared memory.
+constexpr bool serves_head_size(int head_size, int64_t elem_bytes) {
+  return head_size >= 8 && head_size <= kMaxHeadSize && head_size % 8 == 0 &&
+         (int64_t(head_size) * elem_bytes) % 16 == 0;
+}
+
 /// Split-KV bounds: at most this many splits (the combine kernel reads one LSE per lane, two
 /// lanes' worth), and at least this many KV tokens per split (below it the partial-output
 /// traffic and the per-CTA prologue outweigh the parallelism gained).

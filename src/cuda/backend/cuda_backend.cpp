@@ -105,17 +105,19 @@ class CudaBackend final : public Backend {
     }
     if (decode::find_decode(c.dtype, cache, c.head_size) == nullptr) {
       const attn::KVKind kind = attn::kv_kind_for(c.dtype, cache);
-      if (kind == attn::KVKind::kAny) {
-        reasons.push_back(cat("head_size ", c.head_size, " with ", dtype_name(c.dtype),
-                              " activations and a ", dtype_name(cache),
-                              " cache runs on the generic kernel, which needs a multiple of 16 "
-                              "up to ",
-                              decode::kMaxHeadSize));
+      const std::vector<int> sizes = decode::compiled_head_sizes(c.dtype, kind);
+      if (!attn::serves_head_size(c.head_size, int64_t(dtype_size(cache)))) {
+        reasons.push_back(cat("head_size ", c.head_size, " over a ", dtype_name(cache),
+                              " cache: the cuda kernels take head sizes from 8 to ",
+                              attn::kMaxHeadSize, " in steps of ", dtype_size(cache) == 1 ? 16 : 8,
+                              " (16-byte chunks of Q, K and V rows); the cpu and ref backends "
+                              "serve every size"));
       } else {
         reasons.push_back(
-            cat("head_size ", c.head_size, " is not compiled for ", dtype_name(c.dtype),
-                " activations with a ", kind == attn::KVKind::kFp8 ? "fp8" : dtype_name(cache),
-                " cache (compiled: ", join_ints(decode::compiled_head_sizes(c.dtype, kind)),
+            cat("head_size ", c.head_size, " is above every head size compiled for ",
+                dtype_name(c.dtype), " activations with a ",
+                kind == attn::KVKind::kFp8 ? "fp8" : dtype_name(cache),
+                " cache (compiled: ", sizes.empty() ? std::string("none") : join_ints(sizes),
                 "; the CMake option PAGEDATTN_CUDA_HEAD_SIZES sets the list)"));
       }
     }

@@ -20,7 +20,12 @@ inline constexpr int kRows = 16;
 /// KV tokens a warp takes per pipeline stage: the k extent of one P*V mma and two n tiles of S.
 inline constexpr int kTileTokens = 16;
 /// Largest head size any instance serves (the generic kernel sizes its registers for it).
-inline constexpr int kMaxHeadSize = 256;
+using attn::kMaxHeadSize;
+/// The generic kernel's row width for a problem head size (a multiple of 8): the next multiple
+/// of 16, which its float rows and 16-byte chunks need. The extra columns are zeros.
+constexpr int padded_head_size(int head_size) {
+  return (head_size + 15) / 16 * 16;
+}
 /// Shared memory a CTA may take and still share the SM with two others (attn_common/config.h
 /// has the two-CTA budget).
 inline constexpr int kThreeCtaSmemBudget = 75 * 1024;

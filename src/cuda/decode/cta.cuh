@@ -31,12 +31,15 @@ using attn::ThreadRow;
 using attn::Work;
 
 /// The shared-memory layout a launch of instance T uses for this problem.
+/// `head_size` is the problem's (any multiple of 8 up to kMaxHeadSize on the generic kernel,
+/// which lays its rows out at the next multiple of 16).
 template <class T>
 __host__ __device__ constexpr SmemLayout layout_for(int head_size, int kv_dtype) {
   if constexpr (T::kMma) {
     return T::max_layout();
   } else {
-    return smem_layout(head_size, kv_elem_bytes(kv_dtype), false, true, T::kWarps, T::kStages);
+    return smem_layout(padded_head_size(head_size), kv_elem_bytes(kv_dtype), false, true, T::kWarps,
+                       T::kStages);
   }
 }
 
@@ -65,16 +68,22 @@ __device__ __forceinline__ Lane lane_ids() {
 }
 
 /// The problem's sizes as this instance sees them: compile-time for the tensor-core instances,
-/// read from the parameters by the generic one.
+/// read from the parameters by the generic one. `head_size` is the width the kernel computes
+/// at (the instance's bucket, or the generic kernel's next multiple of 16); `cols` is the
+/// problem's head size (p.head_size <= head_size). Columns cols .. head_size - 1 of Q, K and V
+/// are zeros in shared memory (never read from global memory), so they add 0 to every score
+/// and give output columns that are never stored.
 template <class T>
 struct Shape {
-  int head_size;       // columns of Q, K, V and O
-  int nt_active;       // n tiles of 8 columns that hold data (head_size / 8)
+  int head_size;       // columns of the smem rows and of the products
+  int cols;            // columns of Q, K, V and O in global memory
+  int nt_active;       // n tiles of 8 columns that the products cover (head_size / 8)
   SmemLayout lay;      // the dynamic shared memory of this launch
   int kv_bytes;        // bytes per cache element
-  int chunks_per_row;  // 16-byte chunks per cache row
+  int chunks_per_row;  // 16-byte chunks per smem cache row
   __device__ __forceinline__ explicit Shape(const AttnParams& p) {
-    head_size = T::kMma ? kNtOf<T> * 8 : p.head_size;
+    head_size = T::kMma ? kNtOf<T> * 8 : padded_head_size(p.head_size);
+    cols = p.head_size;
     nt_active = head_size / 8;
     lay = layout_for<T>(p.head_size, p.kv_dtype);
     kv_bytes = T::kMma ? T::kKvBytes : kv_elem_bytes(p.kv_dtype);
@@ -150,7 +159,7 @@ inline constexpr int kQPerThread = T::kMma ? ceil_div(kRows*(T::kMma ? T::head_s
 // token q_begin + (row0 + row) / G, head kv_head * G + (row0 + row) % G; nullptr for padding.
 template <class T>
 __device__ __forceinline__ const char* q_src(const AttnParams& p, const Work& w, int row, int col) {
-  if (row >= w.num_rows) return nullptr;
+  if (row >= w.num_rows || col * 8 >= p.head_size) return nullptr;  // padding: zeros
   const int pr = w.row0 + row;
   const int head = w.kv_head * p.group + pr % p.group;
   return static_cast<const char*>(p.q) + ((int64_t(w.q_begin) + pr / p.group) * p.q_stride_token +

@@ -22,14 +22,19 @@ const std::vector<DecodeKernel>& decode_kernels() {
 
 const DecodeKernel* find_decode(DType act, DType cache, int head_size) {
   const KVKind kind = attn::kv_kind_for(act, cache);
+  if (!attn::serves_head_size(head_size, int64_t(dtype_size(cache)))) return nullptr;
+  // The tensor-core instance of the smallest compiled head size that holds the problem's (its
+  // bucket: the columns past the problem's are zeros in smem), else the generic kernel.
+  const DecodeKernel *bucket = nullptr, *generic = nullptr;
   for (const DecodeKernel& k : decode_kernels()) {
     if (k.act != act || k.kv != kind) continue;
-    if (k.head_size == head_size) return &k;
-    if (k.head_size == 0 && head_size % 16 == 0 && head_size > 0 && head_size <= kMaxHeadSize) {
-      return &k;
+    if (k.head_size == 0) {
+      generic = &k;
+    } else if (k.head_size >= head_size && (bucket == nullptr || k.head_size < bucket->head_size)) {
+      bucket = &k;
     }
   }
-  return nullptr;
+  return bucket != nullptr ? bucket : generic;
 }
 
 std::vector<int> compiled_head_sizes(DType act, KVKind kv) {

@@ -19,7 +19,7 @@ using attn::AttnParams;
 struct DecodeKernel {
   DType act;
   KVKind kv;
-  int head_size;  ///< 0: any multiple of 16 up to kMaxHeadSize (the generic kernel)
+  int head_size;  ///< the bucket: problems of head sizes up to it; 0: the generic kernel
   /// pdl: overlap with the previous kernel of the stream (false behind the prefill kernel).
   void (*launch)(const AttnParams& params, cudaStream_t stream, bool pdl);
   /// CTAs of this kernel one SM holds (for the split planner); prepares the kernel's shared
@@ -36,7 +36,9 @@ struct DecodeOps {
 
 const std::vector<DecodeKernel>& decode_kernels();
 
-/// The compiled kernel for (act, cache, head_size), or nullptr.
+/// The compiled kernel for (act, cache, head_size): the tensor-core instance of the smallest
+/// compiled head size >= head_size (run with the problem's head size: a bucket), else the
+/// generic instance of (act, cache), else nullptr.
 const DecodeKernel* find_decode(DType act, DType cache, int head_size);
 /// The compiled head sizes of the tensor-core kernel of (act, kv), ascending.
 std::vector<int> compiled_head_sizes(DType act, KVKind kv);

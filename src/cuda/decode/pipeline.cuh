@@ -46,7 +46,7 @@ struct KvPipe {
   int64_t kv_delta;      // v_head - k_head
   int cpr, n_chunks;     // 16-byte chunks per row and per tile
   uint64_t* my_bars;     // [kStages] mbarriers of the bulk-copy path
-  uint32_t row_bytes_g;  // bytes of a cache row in global memory
+  uint32_t row_bytes_g;  // bytes of a cache row in global memory (p.head_size columns)
 
   // Sizes and lanes are derived here rather than passed in, so that the compiler sees them as
   // it did in one function (constants of the tensor-core instances, lane ranges).
@@ -80,7 +80,7 @@ struct KvPipe {
     cpr = T::kMma ? T::head_size * T::kKvBytes / 16 : sh.chunks_per_row;
     n_chunks = kTileTokens * cpr;
     my_bars = reinterpret_cast<uint64_t*>(smem + lay.bar_offset) + warp * T::kStages;
-    row_bytes_g = uint32_t(sh.head_size * kv_bytes);
+    row_bytes_g = uint32_t(sh.cols * kv_bytes);
   }
 
   // The first key of this warp's tile k.
@@ -140,10 +140,14 @@ struct KvPipe {
                                           : reinterpret_cast<const char*>(__shfl_sync(
                                                 0xffffffffu, reinterpret_cast<long long>(vp), row));
       if (kFixedCol || c < n_chunks) {
-        const int bytes = ts + row < w.kv_end ? 16 : 0;
+        // Chunks past the row's bytes (a head size below the instance's) are zero-filled too;
+        // they read nothing, from the row's start.
+        const bool in_row = uint32_t(col * 16) < row_bytes_g;
+        const int bytes = ts + row < w.kv_end && in_row ? 16 : 0;
+        const int at = in_row ? col * 16 : 0;
         const uint32_t dst = sm80::smem_addr(sk + row * lay.kv_row_bytes + col * 16);
-        sm80::cp_async_16(dst, kr + col * 16, bytes, policy);
-        sm80::cp_async_16(dst + kTileTokens * lay.kv_row_bytes, vr + col * 16, bytes, policy);
+        sm80::cp_async_16(dst, kr + at, bytes, policy);
+        sm80::cp_async_16(dst + kTileTokens * lay.kv_row_bytes, vr + at, bytes, policy);
       }
     }
   }
@@ -168,11 +172,26 @@ struct KvPipe {
     sm90::bulk_copy(dst, src, row_bytes_g, &my_bars[stage]);
   }
 
+  // Bulk copies write row_bytes_g bytes of each smem row: below the instance's head size the
+  // rest of every row of the warp's stages is zeroed once, here, by the warp's own stores
+  // (visible to its lanes after __syncwarp; the copies never touch those bytes).
+  __device__ __forceinline__ void zero_row_tails(const SmemLayout& lay) const {
+    const int tail_chunks = cpr - int(row_bytes_g / 16);
+    if (tail_chunks <= 0) return;
+    const int rows = T::kStages * 2 * kTileTokens;  // stages' K and V rows are contiguous
+    for (int i = lane; i < rows * tail_chunks; i += 32) {
+      const int row = i / tail_chunks, chunk = int(row_bytes_g / 16) + i % tail_chunks;
+      *reinterpret_cast<uint4*>(my_stages + row * lay.kv_row_bytes + chunk * 16) =
+          make_uint4(0, 0, 0, 0);
+    }
+  }
+
   // kStages - 1 tiles in flight; returns the lookup of the next tile.
   __device__ __forceinline__ RowRef prologue(const AttnParams& p, const Work& w,
                                              const SmemLayout& lay) const {
     RowRef ref = lookup(p, w, 0);
     if (p.bulk_copy) {
+      zero_row_tails(lay);
       if (lane == 0) {
 #pragma unroll
         for (int s = 0; s < T::kStages; ++s) sm90::bulk_barrier_init(&my_bars[s], 1);

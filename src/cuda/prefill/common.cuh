@@ -110,7 +110,7 @@ template <DType kAct>
 __device__ __forceinline__ void copy_q_chunk(const AttnParams& p, const attn::Work& w, int row,
                                              int col, unsigned char* dst) {
   const char* src = nullptr;
-  if (row < w.num_rows) {
+  if (row < w.num_rows && col * 8 < p.head_size) {  // zeros past the rows and the head size
     const int pr = w.row0 + row;
     const int head = w.kv_head * p.group + pr % p.group;
     src = static_cast<const char*>(p.q) + ((int64_t(w.q_begin) + pr / p.group) * p.q_stride_token +
@@ -128,6 +128,18 @@ __device__ __forceinline__ void copy_q_chunk(const AttnParams& p, const attn::Wo
     for (int e = 0; e < 8; ++e) r16[e] = reinterpret_cast<const uint16_t*>(src)[e];
   }
   *reinterpret_cast<uint4*>(dst) = raw;
+}
+
+// A 16-byte chunk `col` of a K/V row of p.head_size elements of kv_bytes each: its byte
+// offset in the row and the bytes to copy (16, or 0 past the row: the chunk is zero-filled
+// from the row's start). An instance of a larger head size than the problem's (its bucket)
+// keeps zeros in the columns past p.head_size, so they add nothing to any score.
+struct RowChunk {
+  int offset, bytes;
+};
+__device__ __forceinline__ RowChunk row_chunk(const AttnParams& p, int col, int kv_bytes) {
+  const bool in_row = col * 16 < p.head_size * kv_bytes;
+  return RowChunk{in_row ? col * 16 : 0, in_row ? 16 : 0};
 }
 
 // Keys that rows [row_first, row_last] (CTA-local) can see, clamped to the split: tiles
@@ -160,7 +172,7 @@ template <DType kAct, int kNt>
 __device__ __forceinline__ void store_rows(const AttnParams& p, const attn::Work& w,
                                            const float (&o)[kNt][4], const float (&m)[2],
                                            const float (&l)[2], int row_a, int t4) {
-  constexpr int D = kNt * 8;
+  const int D = p.head_size;  // <= kNt * 8: the instance's columns past it are padding
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float sum = l[h];
@@ -177,8 +189,10 @@ __device__ __forceinline__ void store_rows(const AttnParams& p, const attn::Work
       float* dst = p.partial_o + at * D + 2 * t4;
 #pragma unroll
       for (int nt = 0; nt < kNt; ++nt) {
-        *reinterpret_cast<float2*>(dst + nt * 8) =
-            make_float2(o[nt][2 * h] * factor, o[nt][2 * h + 1] * factor);
+        if (nt * 8 < D) {
+          *reinterpret_cast<float2*>(dst + nt * 8) =
+              make_float2(o[nt][2 * h] * factor, o[nt][2 * h + 1] * factor);
+        }
       }
       if (t4 == 0) p.partial_lse[at] = lse2;
       continue;
@@ -189,6 +203,7 @@ __device__ __forceinline__ void store_rows(const AttnParams& p, const attn::Work
         (int64_t(t) * p.out_stride_token + int64_t(head) * p.out_stride_head) * kElemBytes<kAct>;
 #pragma unroll
     for (int nt = 0; nt < kNt; ++nt) {
+      if (nt * 8 >= D) break;
       const float x0 = o[nt][2 * h] * factor, x1 = o[nt][2 * h + 1] * factor;
       const int col = nt * 8 + 2 * t4;
       if (p.vec_out) {

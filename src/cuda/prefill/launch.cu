@@ -51,13 +51,19 @@ const PrefillKernel* find_prefill(DType act, DType cache, int head_size, int cc_
                                   bool portable, bool fp8_math) {
   const KVKind kind = attn::kv_kind_for(act, cache);
   const bool want_fp8 = fp8_math && cache == DType::kFp8E4M3;
+  if (!attn::serves_head_size(head_size, int64_t(dtype_size(cache)))) return nullptr;
+  // The smallest compiled head size that holds the problem's (the bucket; the kernels keep the
+  // columns past the problem's at zero), then the best kernel of that size.
   const PrefillKernel* found = nullptr;
   auto rank = [&](const PrefillKernel& k) { return k.sm + (k.fp8_math ? 1 : 0); };
   for (const PrefillKernel& k : prefill_kernels()) {
-    if (k.act != act || k.kv != kind || k.head_size != head_size) continue;
+    if (k.act != act || k.kv != kind || k.head_size < head_size) continue;
     if (k.sm == 90 && (portable || cc_major != 9)) continue;
     if (k.fp8_math && !want_fp8) continue;
-    if (found == nullptr || rank(k) > rank(*found)) found = &k;
+    if (found == nullptr || k.head_size < found->head_size ||
+        (k.head_size == found->head_size && rank(k) > rank(*found))) {
+      found = &k;
+    }
   }
   return found;
 }

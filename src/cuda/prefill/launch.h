@@ -49,10 +49,11 @@ struct PrefillSm90Ops {
 const std::vector<PrefillKernel>& prefill_kernels();
 
 /// The compiled kernel for (act, cache, head_size) on a device of compute capability
-/// `cc_major`: the Hopper kernel on sm_90 when one is compiled and `portable` is false (its
-/// fp8-product instance when `fp8_math`, the cache is e4m3 and one is compiled), else the
-/// portable one; nullptr when neither is (float32 activations, mixed 16-bit types and head
-/// sizes not compiled stay on the decode family's kernels).
+/// `cc_major`, at the smallest compiled head size >= head_size (its bucket; head sizes as
+/// attn::serves_head_size takes them): the Hopper kernel on sm_90 when one is compiled and
+/// `portable` is false (its fp8-product instance when `fp8_math`, the cache is e4m3 and one is
+/// compiled), else the portable one; nullptr when neither is (float32 activations and mixed
+/// 16-bit types stay on the decode family's kernels).
 const PrefillKernel* find_prefill(DType act, DType cache, int head_size, int cc_major,
                                   bool portable = false, bool fp8_math = false);
 

@@ -21,7 +21,7 @@ template <DType kAct>
 __device__ __forceinline__ void copy_q_chunk_e4m3(const AttnParams& p, const attn::Work& w, int row,
                                                   int col, unsigned char* panel) {
   uint4 codes = make_uint4(0, 0, 0, 0);
-  if (row < w.num_rows) {
+  if (row < w.num_rows && col * 16 < p.head_size) {
     const int pr = w.row0 + row;
     const int head = w.kv_head * p.group + pr % p.group;
     const uint4* src = reinterpret_cast<const uint4*>(
@@ -168,7 +168,7 @@ __device__ __forceinline__ void produce(const AttnParams& p, const attn::Work& w
     return table;
   };
   if constexpr (T::kFp8Math) {
-    produce_fp8_math<T>(smem, bars, n_tiles, it0, k_head, v_head, fill_table);
+    produce_fp8_math<T>(p, smem, bars, n_tiles, it0, k_head, v_head, fill_table);
     return;
   } else if constexpr (T::kv == KVKind::kFp8) {
     produce_fp8<T>(p, smem, bars, n_tiles, it0, k_head, v_head, fill_table);
@@ -196,7 +196,7 @@ __device__ __forceinline__ void produce(const AttnParams& p, const attn::Work& w
   const int col = ht % kLanes, r0 = ht / kLanes;
   const bool copies = col < kChunks;
   const uint32_t col_at = (col >> 3) * lay.kv_panel;
-  const int col_bytes = col * 16;
+  const RowChunk chunk = row_chunk(p, col, 2);
   // This half's offsets (K's or V's) of tile j into table slot j % kTableSlots, then a barrier
   // of the half (named barrier 4 or 5). Rows past the split read the split's last key instead
   // (its bytes are finite: its scores are masked and its P is 0), so the copies need no
@@ -225,7 +225,7 @@ __device__ __forceinline__ void produce(const AttnParams& p, const attn::Work& w
     for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
       const int row = r0 + i * kRowsPerPass;
       sm80::cp_async_16(dst0 + sm90::sw128_offset(row, col & 7),
-                        head + table[2 * row + pick] + col_bytes, 16, 0);
+                        head + table[2 * row + pick] + chunk.offset, chunk.bytes, 0);
     }
   };
   // TMA (p.kv_tma, 16-bit caches at head sizes that are multiples of 64): a full tile whose

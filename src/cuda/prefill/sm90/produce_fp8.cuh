@@ -24,9 +24,10 @@ namespace pagedattn::cuda::prefill {
 // 8 (dims) x 4 (keys), and each rotates which of its four words it stores first, so the reads
 // and the stores both hit 32 distinct banks.
 template <class T, class FillTable>
-__device__ __forceinline__ void produce_fp8_math(unsigned char* smem, Barriers<T::kStages> bars,
-                                                 int n_tiles, int it0, const char* k_head,
-                                                 const char* v_head, FillTable& fill_table) {
+__device__ __forceinline__ void produce_fp8_math(const AttnParams& p, unsigned char* smem,
+                                                 Barriers<T::kStages> bars, int n_tiles, int it0,
+                                                 const char* k_head, const char* v_head,
+                                                 FillTable& fill_table) {
   constexpr int D = T::head_size, kBlockN = T::kBlockN, kStages = T::kStages;
   constexpr int kChunks = D / 16;  // 16-byte chunks of a row's codes
   constexpr int kLanes = kChunks <= 4 ? 4 : 8;
@@ -35,6 +36,7 @@ __device__ __forceinline__ void produce_fp8_math(unsigned char* smem, Barriers<T
   constexpr Sm90Layout lay = T::layout();
   const int ct = int(threadIdx.x);
   const int col = ct % kLanes, r0 = ct / kLanes;
+  const RowChunk chunk = row_chunk(p, col, 1);
   // Every chunk of the tile's rows into a 128-byte-swizzled [kBlockN][128] buffer.
   auto copy_rows = [&](uint32_t dst0, const char* head, const int64_t* table, int pick) {
     if (col >= kChunks) return;
@@ -42,7 +44,7 @@ __device__ __forceinline__ void produce_fp8_math(unsigned char* smem, Barriers<T
     for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
       const int row = r0 + i * kRowsPerPass;
       sm80::cp_async_16(dst0 + sm90::sw128_offset(row, col),
-                        head + table[2 * row + pick] + col * 16, 16, 0);
+                        head + table[2 * row + pick] + chunk.offset, chunk.bytes, 0);
     }
   };
   const int warp = ct >> 5, wl = ct & 7, t = (ct >> 3) & 3;
@@ -187,6 +189,7 @@ __device__ __forceinline__ void produce_fp8(const AttnParams& p, unsigned char* 
   const int ct = int(threadIdx.x);
   const int col = ct % kLanes, r0 = ct / kLanes;
   const bool copies = col < kRaw;
+  const RowChunk chunk = row_chunk(p, col, 1);
   // Widened, the chunk is 16-bit chunks 2 col and 2 col + 1 of the row: one panel.
   const int c16 = 2 * col;
   const uint32_t panel_at = (c16 >> 3) * lay.kv_panel;
@@ -198,11 +201,11 @@ __device__ __forceinline__ void produce_fp8(const AttnParams& p, unsigned char* 
     // The row offsets through the shared window (a generic load each cost an address
     // conversion and a longer latency [ncu]).
     const uint32_t tab = sm80::smem_addr(table) + (2 * r0 + which) * 8;
-    const char* const src = head + col * 16;
+    const char* const src = head + chunk.offset;
 #pragma unroll 4
     for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
       const int64_t off = int64_t(sm80::lds64(tab + i * kRowsPerPass * 16));
-      sm80::cp_async_16(dst0 + i * kRowsPerPass * D, src + off, 16, 0);
+      sm80::cp_async_16(dst0 + i * kRowsPerPass * D, src + off, chunk.bytes, 0);
     }
   };
   // Rows r0 + i kRowsPerPass (kRowsPerPass a multiple of 8) share their swizzle: fixed
