@@ -13,6 +13,9 @@
 #include "pagedattn/registry.h"
 
 namespace pagedattn {
+namespace detail {
+class HeadPad;
+}  // namespace detail
 
 /// vLLM's MultiHeadAttention.__init__ parameters.
 struct MultiHeadAttentionOptions {
@@ -68,7 +71,8 @@ class MultiHeadAttention {
   const Step& step_for(int batch, int seq_q, int seq_kv);
   AttentionImpl& cross_impl();
 
-  AttentionConfig config_;        // encoder_only: Skv == Sq
+  AttentionConfig config_;        // the caller's shapes; encoder_only: Skv == Sq
+  AttentionConfig run_config_;    // what the backend runs: config_, or its padded head size
   AttentionConfig cross_config_;  // encoder_decoder over a one-token-per-block view: Skv != Sq
   Device device_;
   const Backend* backend_ = nullptr;
@@ -77,6 +81,7 @@ class MultiHeadAttention {
   std::map<std::tuple<int, int, int>, std::unique_ptr<Step>> steps_;  // (B, Sq, Skv)
   Tensor workspace_;
   size_t workspace_bytes_ = 0;
+  std::unique_ptr<detail::HeadPad> pad_;  // set when the backend runs a padded head size
 };
 
 }  // namespace pagedattn

@@ -1,5 +1,8 @@
 #include "pagedattn/mha.h"
 
+#include <exception>
+
+#include "core/head_pad.h"
 #include "pagedattn/device.h"
 #include "pagedattn/dtype.h"
 #include "pagedattn/error.h"
@@ -82,9 +85,32 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionOptions& options,
   require(config_.num_kv_heads > 0 && config_.num_heads % config_.num_kv_heads == 0, "num_heads (",
           config_.num_heads, ") must be divisible by num_kv_heads (", config_.num_kv_heads, ")");
   config_.validate();
-  cross_config_ = make_cross_config(config_);
-  backend_ = &registry.select(BackendQuery{config_, device_}, options.attn_backend);
-  impl_ = backend_->make_impl(config_, device_);
+  run_config_ = config_;
+  try {
+    backend_ = &registry.select(BackendQuery{config_, device_}, options.attn_backend);
+  } catch (const NotSupported&) {
+    // No backend takes the head size as it is: where one takes it padded to the next multiple
+    // of 8 (the cuda kernels' step), run that with zero columns (HeadPad; the scale stays the
+    // caller's). Else the first refusal stands.
+    const std::exception_ptr refused = std::current_exception();
+    AttentionConfig padded = config_;
+    padded.head_size = detail::head_size_step_8(config_.head_size);
+    const Backend* b = nullptr;
+    if (padded.head_size != config_.head_size) {
+      try {
+        b = &registry.select(BackendQuery{padded, device_}, options.attn_backend);
+      } catch (const NotSupported&) {
+        b = nullptr;
+      }
+    }
+    if (b == nullptr) std::rethrow_exception(refused);
+    backend_ = b;
+    run_config_ = padded;
+    pad_ = std::make_unique<detail::HeadPad>(config_.head_size, padded.head_size, config_.dtype,
+                                             device_);
+  }
+  cross_config_ = make_cross_config(run_config_);
+  impl_ = backend_->make_impl(run_config_, device_);
 }
 
 MultiHeadAttention::~MultiHeadAttention() = default;
@@ -196,18 +222,25 @@ void MultiHeadAttention::forward(const TensorView& query_in, const TensorView& k
     return;
   }
   const bool cross = seq_kv != seq;
-  const AttentionConfig& cfg = cross ? cross_config_ : config_;
+  const AttentionConfig& cfg = cross ? cross_config_ : run_config_;
   AttentionImpl& impl = cross ? cross_impl() : *impl_;
   const Step& step = step_for(int(batch), int(seq), int(seq_kv));
+  using detail::HeadPad;
+  const bool padded = pad_ != nullptr;
+  const TensorView q = padded ? pad_->pad(HeadPad::kQuery, query, stream) : query;
+  const TensorView k = padded ? pad_->pad(HeadPad::kKey, key, stream) : key;
+  const TensorView v = padded ? pad_->pad(HeadPad::kValue, value, stream) : value;
+  const TensorView out =
+      padded ? pad_->scratch(HeadPad::kOutput, output.size(0), output.size(1), stream) : output;
   ForwardArgs f;
-  f.query = query;
+  f.query = q;
   if (cross) {
-    f.kv_cache = KVCacheView{as_one_token_blocks(key), as_one_token_blocks(value)};
+    f.kv_cache = KVCacheView{as_one_token_blocks(k), as_one_token_blocks(v)};
   } else {
-    f.key = key;
-    f.value = value;
+    f.key = k;
+    f.value = v;
   }
-  f.output = output;
+  f.output = out;
   f.metadata = &step.device;
   const auto plan = backend_->plan(step.host.view(), cfg);
   if (plan->workspace_bytes() > workspace_bytes_) {
@@ -219,6 +252,7 @@ void MultiHeadAttention::forward(const TensorView& query_in, const TensorView& k
   f.stream = stream;
   check_forward_args(cfg, f, /*check_metadata=*/false);
   impl.forward(f);
+  if (padded) pad_->unpad(out, output, stream);
 }
 
 Tensor MultiHeadAttention::forward(const TensorView& query, const TensorView& key,

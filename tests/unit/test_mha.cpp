@@ -117,6 +117,60 @@ TEST(MultiHeadAttention, AKeyLengthOtherThanTheQuerysNeedsTheCrossAttentionPath)
 // Every backend this build has on the CPU, bf16 and float32, MHA / GQA / MQA, key lengths equal
 // to, shorter and longer than the query's (Sq = 1 and Skv = 1 included), 3-D and 4-D views:
 // the budget is twice the low-precision reference's error plus the dtype's atol.
+// ref refusing head sizes that are not multiples of `step` (8: as the cuda kernels do).
+class StepBackend final : public Backend {
+ public:
+  StepBackend(const Backend& ref, int step) : ref_(ref), step_(step) {}
+  std::string_view name() const override { return "mha-test-step"; }
+  std::string_view description() const override { return "ref at multiples of a step only"; }
+  std::vector<std::string> check(const BackendQuery& q) const override {
+    if (q.config.head_size % step_ != 0) return {detail::cat("head sizes in steps of ", step_)};
+    return ref_.check(q);
+  }
+  std::unique_ptr<AttentionImpl> make_impl(const AttentionConfig& c, Device d) const override {
+    return ref_.make_impl(c, d);
+  }
+
+ private:
+  const Backend& ref_;
+  int step_;
+};
+
+// A head size the backend refuses but takes padded to the next multiple of 8 runs padded (zero
+// columns, the caller's scale) and gives attention at the caller's head size, self and cross;
+// with no backend taking either, the refusal names the caller's head size.
+TEST(MultiHeadAttention, PadsAHeadSizeTheBackendTakesOnlyPadded) {
+  Registry registry;
+  registry.add(std::make_unique<StepBackend>(*default_registry().find("ref"), 8));
+  std::mt19937 rng(59);
+  for (const int d : {59, 13, 1}) {
+    for (const int skv : {9, 14}) {
+      const int b = 2, sq = 9, hq = 4, hkv = 2;
+      const MultiHeadAttentionOptions o = mha_options(hq, hkv, d, DType::kF32);
+      MultiHeadAttention mha(o, registry);
+      EXPECT_EQ(mha.config().head_size, d);
+      for (int call = 0; call < 2; ++call) {
+        const Tensor q = test::random_tensor({b, sq, int64_t(hq) * d}, DType::kF32, rng);
+        const Tensor k = test::random_tensor({b, skv, int64_t(hkv) * d}, DType::kF32, rng);
+        const Tensor v = test::random_tensor({b, skv, int64_t(hkv) * d}, DType::kF32, rng);
+        Tensor out = Tensor::empty({b, sq, int64_t(hq) * d}, DType::kF32);
+        for (int64_t i = 0; i < out.view().numel(); ++i) {
+          store_element(out.data(), DType::kF32, i, NAN);
+        }
+        mha.forward(q.view(), k.view(), v.view(), out.view());
+        const Tensor want = test::naive_mha(q, k, v, hq, hkv, d, o.scale);
+        const ErrorStats err = compare(out.view(), want.view());
+        EXPECT_LE(err.max_abs, 1e-5 * std::max(1.0, err.max_ref))
+            << "d" << d << " skv" << skv << " call " << call << ": " << err.to_string();
+      }
+    }
+  }
+  Registry coarse;
+  coarse.add(std::make_unique<StepBackend>(*default_registry().find("ref"), 128));
+  EXPECT_ERROR(MultiHeadAttention(mha_options(2, 2, 59, DType::kF32), coarse), NotSupported,
+               "head sizes in steps of 128");
+}
+
 TEST(MultiHeadAttention, MatchesFloat64OnEveryCpuBackend) {
   Registry lowp;
   lowp.add(ref::make_backend(ref::Precision::kLowPrecision));
