@@ -52,8 +52,8 @@ for r in "" "prefill=all"; do
   [ "$rc" = 0 ] || fails=$((fails + 1))
 done
 
-say "== pagedattn_cuda_tests (host checks, decode, graphs)"
-"$BUILD/tests/pagedattn_cuda_tests" --gtest_filter='CudaBackendHost.*:CudaDecode.*:CudaGraph*' \
+say "== pagedattn_cuda_tests (host checks, decode, graphs, MultiHeadAttention)"
+"$BUILD/tests/pagedattn_cuda_tests" --gtest_filter='CudaBackendHost.*:CudaDecode.*:CudaGraph*:CudaMultiHeadAttention.*' \
   >"$OUT/cuda_tests.log" 2>&1
 rc=$?
 say "rc=$rc: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/cuda_tests.log" | tr '\n' ' ')"

@@ -1,7 +1,8 @@
 // MultiHeadAttention on the cuda backend: ViT-like shapes (Skv == Sq, the kernels' encoder-only
 // path) and key lengths other than the query's (Sq = 1, Skv = 1, Sq > Skv, Sq < Skv: the
 // cross-attention path over the key rows seen as one-token blocks), MHA and GQA, head sizes
-// with and without a Hopper kernel, against float64.
+// with and without a Hopper kernel, between the compiled ones (72, 40: their buckets) and off
+// the multiples of 8 (59, 111: padded by the layer), against float64.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -33,7 +34,8 @@ TEST(CudaMultiHeadAttention, MatchesFloat64) {
        {Shape{2, 197, 197, 12, 12, 64}, Shape{2, 129, 129, 16, 16, 80}, Shape{3, 65, 65, 8, 2, 128},
         Shape{1, 300, 300, 4, 1, 256}, Shape{4, 3, 3, 8, 8, 64}, Shape{2, 1, 300, 8, 2, 128},
         Shape{3, 50, 1, 8, 8, 64}, Shape{2, 200, 77, 12, 12, 64}, Shape{1, 9, 500, 16, 16, 80},
-        Shape{2, 129, 600, 4, 1, 256}}) {
+        Shape{2, 129, 600, 4, 1, 256}, Shape{2, 129, 129, 16, 16, 72}, Shape{2, 20, 33, 4, 4, 40},
+        Shape{2, 65, 65, 4, 2, 59}, Shape{1, 40, 17, 4, 1, 111}}) {
     for (DType dt : {DType::kBF16, DType::kF16}) {
       const Tensor q = test::random_tensor({sh.b, sh.sq, int64_t(sh.hq) * sh.d}, dt, rng);
       const Tensor k = test::random_tensor({sh.b, sh.skv, int64_t(sh.hkv) * sh.d}, dt, rng);
