@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -1061,26 +1062,48 @@ TEST(CudaWriteKV, PerHeadScalesGiveTheReferenceBytes) {
 
 // The attention kernels take one scale per call: per-head scales whose values differ are
 // refused (NotSupported naming the vector), equal ones collapse to the per-tensor float and pass.
-TEST(CudaDecode, PerHeadScalesAreRefusedUnlessEqual) {
+// k / v scales per KV head (fp8 caches) run on the kernels with differing values and match the
+// reference; per-request vectors run where the requests agree head by head and are refused
+// where they do not; q scales (the query's quantisation takes one) only where all are equal.
+TEST(CudaDecode, PerHeadScalesRunPerKvHead) {
   REQUIRE_GPU();
   const auto backend = cuda::make_backend({false, 0});
-  int refused = 0, passed = 0;
+  int per_head = 0, per_request_refused = 0, agreeing = 0;
+  auto differ = [](const std::vector<float>& v) {
+    return std::any_of(v.begin(), v.end(), [&](float x) { return x != v.front(); });
+  };
   for (backend_ops::OpCase k : backend_ops::make_case_matrix(20261202)) {
     if (k.k_scales.empty()) continue;
-    const backend_ops::CaseResult differ = backend_ops::run_case(*backend, k, {Device::cuda(0), 0});
-    EXPECT_FALSE(differ.supported) << k.name;
-    EXPECT_NE(differ.message.find("scales"), std::string::npos) << k.name << ": " << differ.message;
-    refused += !differ.supported;
-    for (std::vector<float>* v : {&k.k_scales, &k.v_scales, &k.q_scales}) {
-      std::fill(v->begin(), v->end(), v->empty() ? 1.0f : 0.6f);
+    const size_t heads = size_t(k.config.num_kv_heads);
+    bool across_requests = false;
+    for (const std::vector<float>* v : {&k.k_scales, &k.v_scales}) {
+      for (size_t i = 0; i < v->size(); ++i) across_requests |= (*v)[i] != (*v)[i % heads];
     }
-    const backend_ops::CaseResult equal = backend_ops::run_case(*backend, k, {Device::cuda(0), 0});
-    if (!equal.supported) continue;  // e.g. a head size this build did not compile
-    EXPECT_TRUE(equal.passed) << k.name << ": " << equal.message;
-    passed += equal.passed;
+    const bool q_differ = differ(k.q_scales);
+    const backend_ops::CaseResult as_is = backend_ops::run_case(*backend, k, {Device::cuda(0), 0});
+    if (across_requests || q_differ) {
+      EXPECT_FALSE(as_is.supported) << k.name;
+      EXPECT_NE(as_is.message.find(across_requests ? "differ between requests" : "q_scales"),
+                std::string::npos)
+          << k.name << ": " << as_is.message;
+      per_request_refused += across_requests && !as_is.supported;
+    } else if (as_is.supported) {  // else e.g. a head size this build did not compile
+      EXPECT_TRUE(as_is.passed) << k.name << ": " << as_is.message;
+      per_head += as_is.passed && (differ(k.k_scales) || differ(k.v_scales));
+    }
+    // Every request given request 0's scales, the q scales one value: served per KV head.
+    for (std::vector<float>* v : {&k.k_scales, &k.v_scales}) {
+      for (size_t i = 0; i < v->size(); ++i) (*v)[i] = (*v)[i % heads];
+    }
+    std::fill(k.q_scales.begin(), k.q_scales.end(), 0.02f);
+    const backend_ops::CaseResult agree = backend_ops::run_case(*backend, k, {Device::cuda(0), 0});
+    if (!agree.supported) continue;
+    EXPECT_TRUE(agree.passed) << k.name << ": " << agree.message;
+    agreeing += agree.passed;
   }
-  EXPECT_GT(refused, 10);
-  EXPECT_GT(passed, 10);
+  EXPECT_GT(per_head, 5);
+  EXPECT_GT(per_request_refused, 3);
+  EXPECT_GT(agreeing, 10);
 }
 
 // ---- GPU: merge_states and amax -------------------------------------------------------------

@@ -9,6 +9,9 @@
 
 namespace pagedattn::cuda::attn {
 
+/// KV heads whose k / v scales the attention parameters carry (AttnParams::head_scales).
+inline constexpr int kMaxHeadScales = 256;
+
 /// Request r owns query rows [query_start_loc[r], query_start_loc[r+1]) and attends over
 /// kv_len = seq_lens[r] keys (kv_direct: its own q_len tokens); query token i sits at absolute
 /// position kv_len - q_len + i. Key j of KV head h lives at
@@ -17,6 +20,11 @@ namespace pagedattn::cuda::attn {
 ///   k + (query_start_loc[r] + j) * k_stride_page + h * k_stride_head   (kv_direct)
 /// Everything per step is read from device memory here, so a captured graph replays with new
 /// metadata written into the same buffers.
+struct AttnParams;
+/// The logit factor (k_scale) and output scale (v_scale) of KV head `kv_head`.
+__host__ __device__ inline float k_factor_of(const AttnParams& p, int kv_head);
+__host__ __device__ inline float v_scale_of(const AttnParams& p, int kv_head);
+
 struct AttnParams {
   const void* q;  ///< [num_tokens, num_heads, head_size], activation dtype
   int64_t q_stride_token, q_stride_head;
@@ -50,9 +58,15 @@ struct AttnParams {
   const float* alibi_slopes;  ///< [num_heads] or nullptr
   const float* sinks;         ///< [num_heads] (natural-log units) or nullptr
   float v_scale;              ///< fp8: multiplies the output; 1 otherwise
-  int causal;                 ///< mask keys after the query position (decoder)
-  int window_left;            ///< >= 0: keys j < pos - window_left are masked; -1 = unbounded
-  int window_right;           ///< >= 0: keys j > pos + window_right are masked; -1 = unbounded
+  /// fp8 caches with scales per KV head (KVScales' [num_kv_heads] vectors, or per-request ones
+  /// equal across requests): 1, and KV head h's logits take scale_log2 * k_factor[h] (its
+  /// k_scale; scale_log2 and softcap_arg_scale then leave k_scale out) and its output v_factor[h]
+  /// (its v_scale) in place of v_scale. By value, so a captured graph keeps them. 0: per tensor.
+  int head_scales;
+  float k_factor[kMaxHeadScales], v_factor[kMaxHeadScales];
+  int causal;        ///< mask keys after the query position (decoder)
+  int window_left;   ///< >= 0: keys j < pos - window_left are masked; -1 = unbounded
+  int window_right;  ///< >= 0: keys j > pos + window_right are masked; -1 = unbounded
 
   int num_splits;      ///< grid.y; > 1: partials go to the workspace, the combine kernel merges
   float* partial_o;    ///< [num_splits, T_a, num_heads, head_size] float, normalised, v-scaled
@@ -93,5 +107,12 @@ struct AttnParams {
   int* tile_counter;
   CUtensorMap k_map, v_map, q_map;  // 64-byte aligned by their type
 };
+
+__host__ __device__ inline float k_factor_of(const AttnParams& p, int kv_head) {
+  return p.head_scales ? p.k_factor[kv_head] : 1.0f;
+}
+__host__ __device__ inline float v_scale_of(const AttnParams& p, int kv_head) {
+  return p.head_scales ? p.v_factor[kv_head] : p.v_scale;
+}
 
 }  // namespace pagedattn::cuda::attn

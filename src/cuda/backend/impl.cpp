@@ -341,8 +341,18 @@ void set_rows(attn::AttnParams& p, const AttentionMetadata& md, const AttentionC
 void set_features(attn::AttnParams& p, const ForwardArgs& a, const AttentionConfig& cfg,
                   bool cached, const Tensor& alibi_slopes, const Tensor& sinks) {
   const bool fp8 = cached && is_fp8(cfg.kv_cache_dtype);
-  const float scale =
-      cfg.scale * (fp8 ? a.scales.k_scale : 1.0f) * (cfg.query_quant ? a.scales.q_scale : 1.0f);
+  // Scales per KV head (kernel_scales left [num_kv_heads] vectors): k_scale leaves the common
+  // logit scale for the per-head factors, v_scale the output for its per-head values.
+  const bool head_scales = fp8 && (!a.scales.k_scales.empty() || !a.scales.v_scales.empty());
+  p.head_scales = head_scales ? 1 : 0;
+  if (head_scales) {
+    for (int h = 0; h < cfg.num_kv_heads; ++h) {
+      p.k_factor[h] = a.scales.k_scale_of(0, h, cfg.num_kv_heads);
+      p.v_factor[h] = a.scales.v_scale_of(0, h, cfg.num_kv_heads);
+    }
+  }
+  const float scale = cfg.scale * (fp8 && !head_scales ? a.scales.k_scale : 1.0f) *
+                      (cfg.query_quant ? a.scales.q_scale : 1.0f);
   p.scale_log2 = scale * kLog2e;
   if (cfg.logits_soft_cap && *cfg.logits_soft_cap > 0.0f) {
     p.softcap = *cfg.logits_soft_cap;
@@ -387,27 +397,51 @@ void set_splits(attn::AttnParams& p, const ForwardArgs& a, const AttentionConfig
 
 namespace {
 
-// The attention kernels take one k, v and q scale per call: a per-head vector serves when all
-// its values are equal (then exactly), else it is refused. Vectors the call does not read (k/v
+// The attention kernels take k and v scales per tensor or per KV head (AttnParams::head_scales,
+// up to kMaxHeadScales heads) and one q scale (the query's quantisation takes one). Vectors come
+// out empty (one value: per tensor, exactly) or [num_kv_heads] (a per-request vector whose
+// requests agree head by head); anything else is refused. Vectors the call does not read (k/v
 // without an fp8 cache, q without query_quant) are dropped.
-KVScales per_tensor_scales(const KVScales& s, const AttentionConfig& cfg) {
+KVScales kernel_scales(const KVScales& s, const AttentionConfig& cfg) {
   KVScales out{s.k_scale, s.v_scale, s.q_scale, {}, {}, {}};
   const bool fp8 = uses_kv_cache(cfg.attn_type) && is_fp8(cfg.kv_cache_dtype);
-  auto collapse = [](const std::vector<float>& v, float* dst, const char* name) {
-    if (v.empty()) return;
+  const int heads = cfg.num_kv_heads;
+  auto all_equal = [](const std::vector<float>& v) {
     for (const float x : v) {
-      require<NotSupported>(x == v.front(), "cuda backend: scales.", name, " hold different ",
-                            "values (", v.front(), " and ", x, "); the cuda attention kernels ",
-                            "take one scale per call (the ref and cpu backends serve per-head ",
-                            "scales)");
+      if (x != v.front()) return false;
     }
-    *dst = v.front();
+    return true;
+  };
+  auto per_head = [&](const std::vector<float>& v, float* whole, std::vector<float>* dst,
+                      const char* name) {
+    if (v.empty()) return;
+    if (all_equal(v)) {
+      *whole = v.front();
+      return;
+    }
+    std::vector<float> h(v.begin(), v.begin() + heads);
+    for (size_t i = 0; i < v.size(); ++i) {
+      require<NotSupported>(v[i] == h[i % size_t(heads)], "cuda backend: scales.", name,
+                            " differ between requests (", h[i % size_t(heads)], " and ", v[i],
+                            " for KV head ", i % size_t(heads), "); the cuda attention kernels ",
+                            "take one scale per KV head (the ref and cpu backends serve scales "
+                            "per request and head)");
+    }
+    require<NotSupported>(heads <= attn::kMaxHeadScales, "cuda backend: scales.", name,
+                          " per KV head serve up to ", attn::kMaxHeadScales,
+                          " KV heads; num_kv_heads is ", heads);
+    *dst = std::move(h);
   };
   if (fp8) {
-    collapse(s.k_scales, &out.k_scale, "k_scales");
-    collapse(s.v_scales, &out.v_scale, "v_scales");
+    per_head(s.k_scales, &out.k_scale, &out.k_scales, "k_scales");
+    per_head(s.v_scales, &out.v_scale, &out.v_scales, "v_scales");
   }
-  if (cfg.query_quant) collapse(s.q_scales, &out.q_scale, "q_scales");
+  if (cfg.query_quant && !s.q_scales.empty()) {
+    require<NotSupported>(all_equal(s.q_scales), "cuda backend: scales.q_scales hold different ",
+                          "values; the query's quantisation takes one scale per call (the ref and ",
+                          "cpu backends serve per-head query scales)");
+    out.q_scale = s.q_scales.front();
+  }
   return out;
 }
 
@@ -418,7 +452,7 @@ void CudaImpl::forward(const ForwardArgs& args) {
   ForwardArgs uniform;
   if (args.scales.per_head()) {
     uniform = args;
-    uniform.scales = per_tensor_scales(args.scales, cfg);
+    uniform.scales = kernel_scales(args.scales, cfg);
   }
   const ForwardArgs& a = args.scales.per_head() ? uniform : args;
   require(a.metadata != nullptr, "metadata is required");
@@ -574,6 +608,9 @@ void CudaImpl::set_prefill_q_tma(attn::AttnParams& p, const TensorView& query) c
 
 void CudaImpl::forward_mla(const ForwardArgs& a, cudaStream_t stream) {
   const AttentionConfig& cfg = config_;
+  // One latent KV head: kernel_scales leaves no per-head vector for it.
+  require<NotSupported>(a.scales.k_scales.empty() && a.scales.v_scales.empty(),
+                        "cuda backend: the MLA kernel takes one k / v scale per call");
   const AttentionMetadata& md = *a.metadata;
   const TensorView& k = a.kv_cache.key;
   const TensorView& v = a.kv_cache.value;

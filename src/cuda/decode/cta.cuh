@@ -144,8 +144,9 @@ __device__ __forceinline__ void thread_rows(const AttnParams& p, const Work& w,
     } else {
       rows[h] = ThreadRow{0, 0, 0, 0.0f};  // padding row: every key masked
     }
-    rows[h].score2 = p.scale_log2;
-    rows[h].cap_arg = p.softcap_arg_scale;
+    const float kf = attn::k_factor_of(p, w.kv_head);  // the KV head's k_scale, or 1
+    rows[h].score2 = p.scale_log2 * kf;
+    rows[h].cap_arg = p.softcap_arg_scale * kf;
   }
 }
 

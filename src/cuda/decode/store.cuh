@@ -149,7 +149,7 @@ __device__ __forceinline__ void store_rows(const AttnParams& p, const Work& w, c
         acc[4] += wgt * b.x, acc[5] += wgt * b.y, acc[6] += wgt * b.z, acc[7] += wgt * b.w;
       }
     }
-    const float inv = sum > 0.0f ? p.v_scale / sum : 0.0f;
+    const float inv = sum > 0.0f ? attn::v_scale_of(p, w.kv_head) / sum : 0.0f;
     const float lse2 = sum > 0.0f ? mx + log2f(sum) : -INFINITY;
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] *= inv;

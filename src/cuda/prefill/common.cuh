@@ -183,7 +183,7 @@ __device__ __forceinline__ void store_rows(const AttnParams& p, const attn::Work
     const int pr = w.row0 + row;
     const int t = w.q_begin + pr / p.group, head = w.kv_head * p.group + pr % p.group;
     float lse2 = sum > 0.0f ? m[h] + log2f(sum) : -INFINITY;
-    float factor = sum > 0.0f ? p.v_scale / sum : 0.0f;
+    float factor = sum > 0.0f ? attn::v_scale_of(p, w.kv_head) / sum : 0.0f;
     if (p.num_splits > 1) {
       const int64_t at = (int64_t(w.split) * p.num_actual_tokens + t) * p.num_heads + head;
       float* dst = p.partial_o + at * D + 2 * t4;

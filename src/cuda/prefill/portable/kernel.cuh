@@ -76,6 +76,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
 
   // This warp's rows and the keys they can see (tiles outside span.lo..hi are skipped).
   const int wrow0 = warp * T::kRowsPerWarp;
+  const float kf = attn::k_factor_of(p, w.kv_head);  // the KV head's k_scale, or 1
   const bool warp_active = wrow0 < w.num_rows;
   const RowsSpan span = warp_active
                             ? rows_span(p, w, wrow0, min(wrow0 + T::kRowsPerWarp, w.num_rows) - 1)
@@ -214,8 +215,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
 #pragma unroll
       for (int mt = 0; mt < kMt; ++mt) {
         float corr[2];
-        softmax_scores<kSn>(p, w, s[mt], wrow0 + mt * 16 + g, ts, need_mask, t4, m[mt], l[mt],
-                            corr);
+        softmax_scores<kSn>(p, w, s[mt], wrow0 + mt * 16 + g, ts, need_mask, t4, m[mt], l[mt], corr,
+                            make_float2(kf, kf));
         rescale_o(o[mt], corr);
       }
       const uint32_t v_lane =

@@ -58,7 +58,10 @@ __device__ __forceinline__ void consume(const AttnParams& p, const attn::Work& w
 #pragma unroll
   for (int nt = 0; nt < kNt; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  float2 undo = {1.0f, 1.0f};  // rows row_a, row_a + 8: their Q rows' scaling (rescale_q_row)
+  // Rows row_a, row_a + 8: the KV head's k_scale (AttnParams::head_scales, else 1) times their
+  // Q rows' scaling (rescale_q_row), factors of the logit scale.
+  const float kf = attn::k_factor_of(p, w.kv_head);
+  float2 undo = {kf, kf};
   // P of the previous tile, the A operand of its P V: k steps of 16 (16-bit) or 32 (e4m3) keys.
   constexpr int kPk = T::kFp8Math ? 32 : 16;
   uint32_t pa[kBlockN / kPk][4];
@@ -175,7 +178,7 @@ __device__ __forceinline__ void consume(const AttnParams& p, const attn::Work& w
   if constexpr (T::kQRescale) {
     const float* const u =
         reinterpret_cast<const float*>(smem + lay.q_undo_offset) + qb * T::kBlockM;
-    undo = make_float2(u[row_a], u[row_a + 8]);
+    undo = make_float2(u[row_a] * kf, u[row_a + 8] * kf);
   }
   for (int j = 0; j < j_lo; ++j) skip(j);
   if (j_lo < j_hi) {

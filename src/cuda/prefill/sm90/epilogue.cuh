@@ -43,7 +43,7 @@ __device__ __forceinline__ void store_rows_staged(const AttnParams& p, const att
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     lse2[h] = sum > 0.0f ? m[h] + log2f(sum) : -INFINITY;
-    factor[h] = sum > 0.0f ? p.v_scale / sum : 0.0f;
+    factor[h] = sum > 0.0f ? attn::v_scale_of(p, w.kv_head) / sum : 0.0f;
     if (p.sinks != nullptr) {
       apply_sink(p, w.kv_head * p.group + (w.row0 + wrow0 + g + 8 * h) % p.group, lse2[h],
                  factor[h]);
