@@ -285,7 +285,7 @@ TEST(CudaBackendHost, OptionsByName) {
   const std::vector<BackendOptionInfo> infos = cuda::describe_options(d);
   for (size_t n = 0; n < infos.size(); ++n) {
     const BackendOptionInfo& i = infos[n];
-    EXPECT_EQ(i.value, i.name == "checked" ? "off" : "auto") << i.name;
+    EXPECT_EQ(i.value, i.name == "checked" || i.name == "head_scales" ? "off" : "auto") << i.name;
     EXPECT_FALSE(i.help.empty()) << i.name;
     // Each word it lists is accepted and spells back as itself.
     for (const std::string& a : i.allowed) {
@@ -1062,12 +1062,16 @@ TEST(CudaWriteKV, PerHeadScalesGiveTheReferenceBytes) {
 
 // The attention kernels take one scale per call: per-head scales whose values differ are
 // refused (NotSupported naming the vector), equal ones collapse to the per-tensor float and pass.
-// k / v scales per KV head (fp8 caches) run on the kernels with differing values and match the
-// reference; per-request vectors run where the requests agree head by head and are refused
-// where they do not; q scales (the query's quantisation takes one) only where all are equal.
+// With the option head_scales=on, k / v scales per KV head (fp8 caches) run on the kernels with
+// differing values and match the reference; per-request vectors run where the requests agree
+// head by head and are refused where they do not; q scales (the query's quantisation takes one)
+// only where all are equal. Without it (the default) differing values are refused.
 TEST(CudaDecode, PerHeadScalesRunPerKvHead) {
   REQUIRE_GPU();
-  const auto backend = cuda::make_backend({false, 0});
+  cuda::BackendOptions options;
+  options.head_scales = true;
+  const auto backend = cuda::make_backend(options);
+  const auto default_backend = cuda::make_backend(cuda::BackendOptions{});
   int per_head = 0, per_request_refused = 0, agreeing = 0;
   auto differ = [](const std::vector<float>& v) {
     return std::any_of(v.begin(), v.end(), [&](float x) { return x != v.front(); });
@@ -1081,6 +1085,10 @@ TEST(CudaDecode, PerHeadScalesRunPerKvHead) {
     }
     const bool q_differ = differ(k.q_scales);
     const backend_ops::CaseResult as_is = backend_ops::run_case(*backend, k, {Device::cuda(0), 0});
+    const backend_ops::CaseResult off =
+        backend_ops::run_case(*default_backend, k, {Device::cuda(0), 0});
+    EXPECT_FALSE(off.supported) << k.name;
+    EXPECT_NE(off.message.find("scales"), std::string::npos) << k.name << ": " << off.message;
     if (across_requests || q_differ) {
       EXPECT_FALSE(as_is.supported) << k.name;
       EXPECT_NE(as_is.message.find(across_requests ? "differ between requests" : "q_scales"),

@@ -92,6 +92,11 @@ struct BackendOptions {
   /// walk pays (prefill::dynamic_walk_pays, K/V by TMA), the static snake elsewhere (true,
   /// auto); false: the static snake always.
   bool prefill_dynamic = true;
+  /// fp8 caches: k / v scales that differ between KV heads on the attention kernels (the
+  /// per-head factors of AttnParams::head_scales). Off (the default) refuses them with a reason,
+  /// as every build did before the kernels took them: the path has not yet run on a GPU
+  /// (tests/cuda CudaDecode.PerHeadScalesRunPerKvHead turns it on to check it there).
+  bool head_scales = false;
 };
 
 /// The defaults with the user's environment: checked mode from PAGEDATTN_CHECKED, the split

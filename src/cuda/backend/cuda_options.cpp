@@ -93,6 +93,12 @@ const std::vector<Field>& option_table() {
         INT_MAX},
        [](const BackendOptions& o) { return o.prefill_pair_group; },
        [](BackendOptions& o, int v) { o.prefill_pair_group = v; }},
+      {{"head_scales",
+        "fp8 caches: k/v scales that differ between KV heads on the attention kernels: off "
+        "(refused, the default until the path has run on a GPU) or on",
+        {{"off", 0}, {"on", 1}}},
+       [](const BackendOptions& o) { return int(o.head_scales); },
+       [](BackendOptions& o, int v) { o.head_scales = v != 0; }},
       {{"prefill_walk",
         "persistent Hopper prefill: auto (an atomic counter where the dynamic walk pays, else "
         "the static snake) or static (the snake always; tests)",

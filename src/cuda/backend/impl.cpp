@@ -72,6 +72,7 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
     : config_(config),
       device_(device),
       checked_(options.checked),
+      head_scales_(options.head_scales),
       route_(options.prefill),
       bulk_copy_(use_bulk_copy(config, options.decode_copy, device_props(device.index).cc_major)),
       prefill_tma_(options.prefill_tma),
@@ -400,9 +401,9 @@ namespace {
 // The attention kernels take k and v scales per tensor or per KV head (AttnParams::head_scales,
 // up to kMaxHeadScales heads) and one q scale (the query's quantisation takes one). Vectors come
 // out empty (one value: per tensor, exactly) or [num_kv_heads] (a per-request vector whose
-// requests agree head by head); anything else is refused. Vectors the call does not read (k/v
-// without an fp8 cache, q without query_quant) are dropped.
-KVScales kernel_scales(const KVScales& s, const AttentionConfig& cfg) {
+// requests agree head by head; only with the option head_scales); anything else is refused.
+// Vectors the call does not read (k/v without an fp8 cache, q without query_quant) are dropped.
+KVScales kernel_scales(const KVScales& s, const AttentionConfig& cfg, bool head_scales) {
   KVScales out{s.k_scale, s.v_scale, s.q_scale, {}, {}, {}};
   const bool fp8 = uses_kv_cache(cfg.attn_type) && is_fp8(cfg.kv_cache_dtype);
   const int heads = cfg.num_kv_heads;
@@ -419,6 +420,11 @@ KVScales kernel_scales(const KVScales& s, const AttentionConfig& cfg) {
       *whole = v.front();
       return;
     }
+    require<NotSupported>(head_scales, "cuda backend: scales.", name, " hold different values (",
+                          v.front(),
+                          " and more); the cuda attention kernels take them per KV "
+                          "head only with the option head_scales=on (off by default until that "
+                          "path has run on a GPU; the ref and cpu backends serve per-head scales)");
     std::vector<float> h(v.begin(), v.begin() + heads);
     for (size_t i = 0; i < v.size(); ++i) {
       require<NotSupported>(v[i] == h[i % size_t(heads)], "cuda backend: scales.", name,
@@ -452,7 +458,7 @@ void CudaImpl::forward(const ForwardArgs& args) {
   ForwardArgs uniform;
   if (args.scales.per_head()) {
     uniform = args;
-    uniform.scales = kernel_scales(args.scales, cfg);
+    uniform.scales = kernel_scales(args.scales, cfg, head_scales_);
   }
   const ForwardArgs& a = args.scales.per_head() ? uniform : args;
   require(a.metadata != nullptr, "metadata is required");

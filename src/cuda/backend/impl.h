@@ -51,6 +51,7 @@ class CudaImpl final : public AttentionImpl {
   AttentionConfig config_;
   Device device_;
   bool checked_;
+  bool head_scales_;  // BackendOptions::head_scales
   PrefillRoute route_;
   bool bulk_copy_;
   bool prefill_tma_;          // BackendOptions::prefill_tma
