@@ -29,7 +29,7 @@ for r in "${routes[@]}"; do
   for o in $r; do args+=(--cuda-option "$o"); done
   "$ops" test --device cuda --backend cuda --filter any_head "${args[@]}" >"$OUT/route.log" 2>&1
   rc=$?
-  line="$(grep -m1 '^backend cuda' "$OUT/route.log" | tail -1; grep -m3 FAIL "$OUT/route.log")"
+  line="$(grep '^backend cuda:.*passed' "$OUT/route.log"; grep -m3 FAIL "$OUT/route.log")"
   cat "$OUT/route.log" >>"$OUT/routes.log"
   say "route [${r:-auto}] rc=$rc: $line"
   [ "$rc" = 0 ] || fails=$((fails + 1))
@@ -37,7 +37,7 @@ done
 say "== backend_ops, the whole matrix (auto)"
 "$ops" test --device cuda --backend cuda >"$OUT/backend_ops_all.log" 2>&1
 rc=$?
-say "rc=$rc: $(grep '^backend cuda' "$OUT/backend_ops_all.log" | tail -1)"
+say "rc=$rc: $(grep '^backend cuda:.*passed' "$OUT/backend_ops_all.log")"
 [ "$rc" = 0 ] || fails=$((fails + 1))
 "$ops" support --device cuda --backend cuda --filter any_head >>"$log" 2>&1
 
