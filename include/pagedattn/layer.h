@@ -14,6 +14,9 @@
 #include "pagedattn/registry.h"
 
 namespace pagedattn {
+namespace detail {
+class HeadPad;
+}  // namespace detail
 
 /// vLLM's CacheConfig fields that the layer reads.
 struct CacheConfig {
@@ -84,6 +87,11 @@ class Attention {
 
   const std::string& name() const { return name_; }
   const AttentionConfig& config() const { return config_; }
+  /// What the backend runs: config(), or config() at the head size padded to the next multiple
+  /// of 8 where no backend takes the caller's but one takes that (q, k, v copied into zero-tailed
+  /// rows on the stream, the caller's scale, the output's columns copied back). The cache is
+  /// then of the padded head size (get_kv_cache_spec).
+  const AttentionConfig& run_config() const { return run_config_; }
   const Backend& backend() const { return *backend_; }
   bool calculate_kv_scales() const { return calculate_kv_scales_; }
   /// "head_size=..., num_heads=..., num_kv_heads=..., scale=..., backend=..."
@@ -142,10 +150,12 @@ class Attention {
 
   ForwardContext& context_;
   std::string name_;
-  AttentionConfig config_;
+  AttentionConfig config_;      // the caller's shapes
+  AttentionConfig run_config_;  // what the backend runs: config_, or its padded head size
   Device device_;
   const Backend* backend_ = nullptr;
   std::unique_ptr<AttentionImpl> impl_;
+  std::unique_ptr<detail::HeadPad> pad_;  // set when the backend runs a padded head size
   std::optional<std::string> kv_sharing_target_;
   std::vector<KVCacheView> kv_caches_;
   int kv_cache_group_ = 0;

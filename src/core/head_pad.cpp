@@ -1,5 +1,7 @@
 #include "core/head_pad.h"
 
+#include <exception>
+
 #include "pagedattn/error.h"
 
 namespace pagedattn::detail {
@@ -50,6 +52,31 @@ void HeadPad::unpad(const TensorView& padded, const TensorView& out, Stream stre
                      static_cast<const char*>(padded.data) + h * padded.stride(1) * e,
                      size_t(padded.stride(0)) * e, size_t(head_size_) * e, size_t(out.size(0)),
                      device_.index, stream);
+  }
+}
+
+PaddedSelection select_padded(const Registry& registry, const AttentionConfig& config,
+                              Device device, const std::optional<std::string>& override_name) {
+  PaddedSelection out;
+  out.run_config = config;
+  try {
+    out.backend = &registry.select(BackendQuery{config, device}, override_name);
+    return out;
+  } catch (const NotSupported&) {
+    const std::exception_ptr refused = std::current_exception();
+    AttentionConfig padded = config;
+    padded.head_size = head_size_step_8(config.head_size);
+    if (padded.head_size == config.head_size || config.head_size_v() != config.head_size) {
+      std::rethrow_exception(refused);
+    }
+    try {
+      out.backend = &registry.select(BackendQuery{padded, device}, override_name);
+    } catch (const NotSupported&) {
+      std::rethrow_exception(refused);
+    }
+    out.run_config = padded;
+    out.pad = std::make_unique<HeadPad>(config.head_size, padded.head_size, config.dtype, device);
+    return out;
   }
 }
 

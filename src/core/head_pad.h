@@ -7,8 +7,13 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
 
+#include "pagedattn/config.h"
 #include "pagedattn/device.h"
+#include "pagedattn/registry.h"
 #include "pagedattn/tensor.h"
 
 namespace pagedattn::detail {
@@ -45,5 +50,17 @@ class HeadPad {
 constexpr int head_size_step_8(int head_size) {
   return (head_size + 7) / 8 * 8;
 }
+
+/// A layer's backend and what it runs: `config` as it is where a backend takes it (pad null);
+/// else, where one takes its head size padded to the next multiple of 8 (and V's equal to it),
+/// that backend, the padded config (the scale stays the caller's) and the HeadPad. Else the
+/// refusal for `config` stands (NotSupported, every backend's reasons).
+struct PaddedSelection {
+  const Backend* backend = nullptr;
+  AttentionConfig run_config;
+  std::unique_ptr<HeadPad> pad;
+};
+PaddedSelection select_padded(const Registry& registry, const AttentionConfig& config,
+                              Device device, const std::optional<std::string>& override_name);
 
 }  // namespace pagedattn::detail

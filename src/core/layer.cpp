@@ -1,9 +1,11 @@
 #include "pagedattn/layer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <sstream>
 
+#include "core/head_pad.h"
 #include "pagedattn/connector.h"
 #include "pagedattn/error.h"
 
@@ -97,8 +99,14 @@ Attention::Attention(ForwardContext& context, const AttentionOptions& options,
   require(!(has_checkpoint_scales_ && config_.kv_cache_dtype == KVCacheDType::kFp8E5M2),
           "fp8_e5m2 kv-cache is not supported with fp8 checkpoints.");
 
-  backend_ = &registry.select(BackendQuery{config_, device_}, options.attn_backend);
-  impl_ = backend_->make_impl(config_, device_);
+  {
+    detail::PaddedSelection sel =
+        detail::select_padded(registry, config_, device_, options.attn_backend);
+    backend_ = sel.backend;
+    run_config_ = sel.run_config;
+    pad_ = std::move(sel.pad);
+  }
+  impl_ = backend_->make_impl(run_config_, device_);
 
   context_.register_layer(this);
   try {
@@ -133,12 +141,14 @@ std::string Attention::extra_repr() const {
      << ", num_kv_heads=" << config_.num_kv_heads << ", scale=" << config_.scale
      << ", backend=" << backend_->name();
   if (config_.head_size_v() != config_.head_size) os << ", v_head_size=" << config_.v_head_size;
+  if (pad_ != nullptr) os << ", padded_head_size=" << run_config_.head_size;
   return os.str();
 }
 
 std::optional<KVCacheSpec> Attention::get_kv_cache_spec() const {
   if (kv_sharing_target_) return std::nullopt;  // the target's spec covers both layers
-  const int bs = config_.block_size, hk = config_.num_kv_heads, d = config_.head_size;
+  // The cache holds what the backend runs: rows of the padded head size where it pads.
+  const int bs = config_.block_size, hk = config_.num_kv_heads, d = run_config_.head_size;
   const DType dt = config_.cache_dtype();
   std::optional<KVCacheSpec> spec;
   switch (config_.attn_type) {
@@ -154,7 +164,7 @@ std::optional<KVCacheSpec> Attention::get_kv_cache_spec() const {
       break;
   }
   // 0 when V's size is K's, so that such specs equal (and group with) those of other layers.
-  if (spec && config_.head_size_v() != d) spec->v_head_size = config_.head_size_v();
+  if (spec && run_config_.head_size_v() != d) spec->v_head_size = run_config_.head_size_v();
   return spec;
 }
 
@@ -353,17 +363,26 @@ void Attention::forward(const TensorView& query_in, const TensorView& key_in,
   KVConnector* const connector =
       cached && !kv_sharing_target_ ? context_.active_kv_connector() : nullptr;
   if (connector) connector->wait_for_layer_load(name_);
+  // A padded head size (run_config): q, k, v and the output through zero-tailed scratch rows.
+  using detail::HeadPad;
+  const bool padded = pad_ != nullptr;
+  const TensorView q = padded ? pad_->pad(HeadPad::kQuery, query, stream) : query;
+  const TensorView k = padded && key.defined() ? pad_->pad(HeadPad::kKey, key, stream) : key;
+  const TensorView v =
+      padded && value.defined() ? pad_->pad(HeadPad::kValue, value, stream) : value;
+  const TensorView out =
+      padded ? pad_->scratch(HeadPad::kOutput, output.size(0), output.size(1), stream) : output;
   if (cached && !kv_sharing_target_ && key.defined()) {
     // Write first, then read: every key, the new ones included, comes from the cache.
-    WriteKVArgs w{key, value, md->slot_mapping, cache, kv_scales(), stream};
-    check_write_kv_args(config_, w, /*check_slots=*/false);
+    WriteKVArgs w{k, v, md->slot_mapping, cache, kv_scales(), stream};
+    check_write_kv_args(run_config_, w, /*check_slots=*/false);
     impl_->write_kv(w);
   }
   ForwardArgs f;
-  f.query = query;
+  f.query = q;
   if (!cached) {
-    f.key = key;
-    f.value = value;
+    f.key = k;
+    f.value = v;
   }
   f.kv_cache = cache;
   // The cache holds values stored with its owner's scales (a KV-sharing consumer reads them).
@@ -371,13 +390,18 @@ void Attention::forward(const TensorView& query_in, const TensorView& key_in,
   f.scales.q_scale = q_scale_;  // the query is this layer's own
   f.scales.q_scales = q_scales_;
   f.metadata = md;
-  f.output = output;
+  f.output = out;
   f.lse = lse;
-  f.plan = &context_.plan(group, *backend_, config_);
+  f.plan = &context_.plan(group, *backend_, run_config_);
   f.workspace = context_.workspace(query.device, f.plan->workspace_bytes());
   f.stream = stream;
-  check_forward_args(config_, f, /*check_metadata=*/false);
+  check_forward_args(run_config_, f, /*check_metadata=*/false);
   impl_->forward(f);
+  if (padded) {
+    // The step's rows only: the rows past them are the caller's, never written.
+    const int64_t rows = std::min<int64_t>(output.size(0), md->num_actual_tokens);
+    pad_->unpad(out.slice(0, 0, rows), output.slice(0, 0, rows), stream);
+  }
   if (connector) connector->save_kv_layer(name_, cache, *md, kv_scales());
 }
 

@@ -1,7 +1,5 @@
 #include "pagedattn/mha.h"
 
-#include <exception>
-
 #include "core/head_pad.h"
 #include "pagedattn/device.h"
 #include "pagedattn/dtype.h"
@@ -85,30 +83,12 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionOptions& options,
   require(config_.num_kv_heads > 0 && config_.num_heads % config_.num_kv_heads == 0, "num_heads (",
           config_.num_heads, ") must be divisible by num_kv_heads (", config_.num_kv_heads, ")");
   config_.validate();
-  run_config_ = config_;
-  try {
-    backend_ = &registry.select(BackendQuery{config_, device_}, options.attn_backend);
-  } catch (const NotSupported&) {
-    // No backend takes the head size as it is: where one takes it padded to the next multiple
-    // of 8 (the cuda kernels' step), run that with zero columns (HeadPad; the scale stays the
-    // caller's). Else the first refusal stands.
-    const std::exception_ptr refused = std::current_exception();
-    AttentionConfig padded = config_;
-    padded.head_size = detail::head_size_step_8(config_.head_size);
-    const Backend* b = nullptr;
-    if (padded.head_size != config_.head_size) {
-      try {
-        b = &registry.select(BackendQuery{padded, device_}, options.attn_backend);
-      } catch (const NotSupported&) {
-        b = nullptr;
-      }
-    }
-    if (b == nullptr) std::rethrow_exception(refused);
-    backend_ = b;
-    run_config_ = padded;
-    pad_ = std::make_unique<detail::HeadPad>(config_.head_size, padded.head_size, config_.dtype,
-                                             device_);
-  }
+  // A head size no backend takes may run padded (HeadPad: zero columns, the caller's scale).
+  detail::PaddedSelection sel =
+      detail::select_padded(registry, config_, device_, options.attn_backend);
+  backend_ = sel.backend;
+  run_config_ = sel.run_config;
+  pad_ = std::move(sel.pad);
   cross_config_ = make_cross_config(run_config_);
   impl_ = backend_->make_impl(run_config_, device_);
 }

@@ -1,0 +1,121 @@
+// The Attention layer over a backend that takes its head size only padded to the next multiple
+// of 8 (as the cuda kernels take 59 as 64): the layer runs it padded (src/core/head_pad.h) and
+// gives what an unpadded layer gives, step after step through the cache.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/expect_error.h"
+#include "pagedattn/error.h"
+#include "pagedattn/kv_cache.h"
+#include "pagedattn/layer.h"
+#include "pagedattn/metadata.h"
+
+namespace pagedattn {
+namespace {
+
+// ref refusing head sizes that are not multiples of `step`.
+class StepBackend final : public Backend {
+ public:
+  StepBackend(const Backend& ref, int step) : ref_(ref), step_(step) {}
+  std::string_view name() const override { return "layer-test-step"; }
+  std::string_view description() const override { return "ref at multiples of a step only"; }
+  std::vector<std::string> check(const BackendQuery& q) const override {
+    if (q.config.head_size % step_ != 0) return {detail::cat("head sizes in steps of ", step_)};
+    return ref_.check(q);
+  }
+  std::unique_ptr<AttentionImpl> make_impl(const AttentionConfig& c, Device d) const override {
+    return ref_.make_impl(c, d);
+  }
+  std::unique_ptr<Plan> plan(const AttentionMetadata& md, const AttentionConfig& c) const override {
+    return ref_.plan(md, c);
+  }
+
+ private:
+  const Backend& ref_;
+  int step_;
+};
+
+AttentionOptions options(int head_size) {
+  AttentionOptions o;
+  o.num_heads = 4;
+  o.num_kv_heads = 2;
+  o.head_size = head_size;
+  o.scale = 1.0f / std::sqrt(float(head_size));
+  o.prefix = "layers.0.attn";
+  o.dtype = DType::kF32;
+  o.cache_config = CacheConfig{};
+  o.cache_config->block_size = 4;
+  return o;
+}
+
+std::vector<float> random_values(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> dist;
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+TEST(AttentionLayerPadding, RunsAHeadSizeTheBackendTakesOnlyPaddedAsTheUnpaddedLayerDoes) {
+  Registry step8;
+  step8.add(std::make_unique<StepBackend>(*default_registry().find("ref"), 8));
+  std::mt19937 rng(59);
+  for (const int d : {59, 13}) {
+    const int d8 = (d + 7) / 8 * 8;
+    ForwardContext padded_ctx, plain_ctx;
+    Attention padded(padded_ctx, options(d), step8);
+    AttentionOptions plain_options = options(d);
+    plain_options.attn_backend = "ref";
+    Attention plain(plain_ctx, plain_options);
+    EXPECT_EQ(padded.config().head_size, d);
+    EXPECT_EQ(padded.run_config().head_size, d8);
+    EXPECT_EQ(padded.run_config().scale, padded.config().scale);
+    EXPECT_EQ(padded.get_kv_cache_spec()->head_size, d8);
+    EXPECT_NE(padded.extra_repr().find(detail::cat("padded_head_size=", d8)), std::string::npos);
+    KVCache padded_cache = KVCache::allocate(padded.run_config(), 8);
+    KVCache plain_cache = KVCache::allocate(plain.config(), 8);
+    padded.bind_kv_cache({padded_cache.view()});
+    plain.bind_kv_cache({plain_cache.view()});
+    // A prefill step, then a decode step over the cached keys.
+    const std::vector<StepMetadata> steps = {
+        MetadataBuilder(4).add({0, 5, {6, 2}}).add({0, 3, {1}}).build(),
+        MetadataBuilder(4).add({5, 1, {6, 2}}).add({3, 1, {1}}).build()};
+    for (size_t s = 0; s < steps.size(); ++s) {
+      const AttentionMetadata md = steps[s].view();
+      const int64_t t = md.num_actual_tokens, rows = t + 1;  // one row past the step's
+      auto q = random_values(size_t(t * 4 * d), rng);
+      auto k = random_values(size_t(t * 2 * d), rng), v = random_values(size_t(t * 2 * d), rng);
+      auto view = [](std::vector<float>& x, int64_t n, int64_t w) {
+        return TensorView::contiguous(x.data(), DType::kF32, {n, w});
+      };
+      std::vector<float> got(size_t(rows * 4 * d), std::nanf("")), want = got;
+      padded_ctx.begin_step({&md});
+      padded.forward(view(q, t, 4 * d), view(k, t, 2 * d), view(v, t, 2 * d),
+                     view(got, rows, 4 * d));
+      padded_ctx.end_step();
+      plain_ctx.begin_step({&md});
+      plain.forward(view(q, t, 4 * d), view(k, t, 2 * d), view(v, t, 2 * d),
+                    view(want, rows, 4 * d));
+      plain_ctx.end_step();
+      for (int64_t i = 0; i < t * 4 * d; ++i) {
+        ASSERT_TRUE(std::isfinite(got[size_t(i)])) << "d" << d << " step " << s << " at " << i;
+        EXPECT_NEAR(got[size_t(i)], want[size_t(i)], 1e-5) << "d" << d << " step " << s;
+      }
+      for (int64_t i = t * 4 * d; i < rows * 4 * d; ++i) {
+        EXPECT_TRUE(std::isnan(got[size_t(i)])) << "a row past the step was written";
+      }
+    }
+  }
+  // No backend takes it padded either: the refusal for the caller's head size stands.
+  Registry step128;
+  step128.add(std::make_unique<StepBackend>(*default_registry().find("ref"), 128));
+  ForwardContext ctx;
+  EXPECT_ERROR(Attention(ctx, options(59), step128), NotSupported, "head sizes in steps of 128");
+}
+
+}  // namespace
+}  // namespace pagedattn
