@@ -268,6 +268,10 @@ void bind_layer(nb::module_& m) {
       .def_prop_ro("name", [](const PyAttention& a) { return a.layer.name(); })
       .def_prop_ro("config", [](const PyAttention& a) { return a.layer.config(); })
       .def_prop_ro(
+          "run_config", [](const PyAttention& a) { return a.layer.run_config(); },
+          "what the backend runs: config, or config at the head size padded to a multiple of 8 "
+          "(then the cache's head size too)")
+      .def_prop_ro(
           "backend", [](const PyAttention& a) { return &a.layer.backend(); },
           nb::rv_policy::reference)
       .def_prop_ro("calculate_kv_scales",

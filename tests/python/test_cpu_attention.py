@@ -176,6 +176,8 @@ def test_attention_layer_steps_match_reference() -> None:
     assert (spec.kind, spec.block_size, spec.dtype, spec.sliding_window) == (
         "sliding_window", bs, "float8_e4m3fn", 24)
     assert "backend=" in layer.extra_repr()
+    # The cpu backend takes every head size: nothing is padded.
+    assert layer.run_config.head_size == layer.config.head_size == spec.head_size
     layer.load_kv_scales(-1.0, 0.04, 0.06)  # q absent: it follows k, with a warning
     assert (layer.k_scale, layer.v_scale, layer.q_scale) == pytest.approx((0.04, 0.06, 0.04))
     assert any("q_scale" in w for w in layer.warnings)
