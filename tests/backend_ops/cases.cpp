@@ -534,6 +534,16 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
       m.add("any_head", c, {{0, 9}, {33, 1}, {20, 3}, {0, 0}}, 1);  // mixed
     }
   }
+  // float32 activations (the cuda generic kernel, its rows laid out at the next multiple of 16)
+  // at sizes off the multiples of 16.
+  for (int d : {40, 72}) {
+    AttentionConfig c = base;
+    c.head_size = d;
+    c.dtype = DType::kF32;
+    c.scale = 0;
+    m.add("any_head", c, {{40, 1}, {0, 1}, {70, 1}});
+    m.add("any_head", c, {{0, 9}, {33, 1}, {20, 3}, {0, 0}}, 1);
+  }
   // The merge of split keys, and the encoder (no cache: MultiHeadAttention) path, at 72 and 59.
   for (int d : {72, 59}) {
     AttentionConfig c = base;
