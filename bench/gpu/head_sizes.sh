@@ -53,7 +53,7 @@ for r in "" "prefill=all"; do
 done
 
 say "== pagedattn_cuda_tests (host checks, decode, graphs, MultiHeadAttention)"
-"$BUILD/tests/pagedattn_cuda_tests" --gtest_filter='CudaBackendHost.*:CudaDecode.*:CudaGraph*:CudaMultiHeadAttention.*' \
+"$BUILD/tests/pagedattn_cuda_tests" --gtest_filter='CudaBackendHost.*:CudaDecode.*:CudaGraph*:CudaMultiHeadAttention.*:CudaAttentionPadding.*' \
   >"$OUT/cuda_tests.log" 2>&1
 rc=$?
 say "rc=$rc: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/cuda_tests.log" | tr '\n' ' ')"
