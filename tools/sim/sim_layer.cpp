@@ -45,7 +45,7 @@ class AttentionSimLayer final : public SimLayer {
   const AttentionConfig& config() const override { return layer_.config(); }
   KVCacheSpec kv_cache_spec() const override { return *layer_.get_kv_cache_spec(); }
   SimCache allocate_cache(int64_t num_blocks) const override {
-    const AttentionConfig& c = layer_.config();
+    const AttentionConfig& c = layer_.run_config();  // a padded head size's cache is padded
     const KVCache cache = KVCache::allocate(num_blocks, c.block_size, c.num_kv_heads, c.head_size,
                                             c.cache_dtype(), layout_, device_);
     return {cache.storage(), cache.tensor()};
