@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/expect_error.h"
+#include "common/step_backend.h"
 #include "pagedattn/error.h"
 #include "pagedattn/kv_cache.h"
 #include "pagedattn/layer.h"
@@ -17,28 +18,6 @@
 
 namespace pagedattn {
 namespace {
-
-// ref refusing head sizes that are not multiples of `step`.
-class StepBackend final : public Backend {
- public:
-  StepBackend(const Backend& ref, int step) : ref_(ref), step_(step) {}
-  std::string_view name() const override { return "layer-test-step"; }
-  std::string_view description() const override { return "ref at multiples of a step only"; }
-  std::vector<std::string> check(const BackendQuery& q) const override {
-    if (q.config.head_size % step_ != 0) return {detail::cat("head sizes in steps of ", step_)};
-    return ref_.check(q);
-  }
-  std::unique_ptr<AttentionImpl> make_impl(const AttentionConfig& c, Device d) const override {
-    return ref_.make_impl(c, d);
-  }
-  std::unique_ptr<Plan> plan(const AttentionMetadata& md, const AttentionConfig& c) const override {
-    return ref_.plan(md, c);
-  }
-
- private:
-  const Backend& ref_;
-  int step_;
-};
 
 AttentionOptions options(int head_size) {
   AttentionOptions o;
@@ -62,7 +41,7 @@ std::vector<float> random_values(size_t n, std::mt19937& rng) {
 
 TEST(AttentionLayerPadding, RunsAHeadSizeTheBackendTakesOnlyPaddedAsTheUnpaddedLayerDoes) {
   Registry step8;
-  step8.add(std::make_unique<StepBackend>(*default_registry().find("ref"), 8));
+  step8.add(std::make_unique<test::StepBackend>(*default_registry().find("ref"), 8));
   std::mt19937 rng(59);
   for (const int d : {59, 13}) {
     const int d8 = (d + 7) / 8 * 8;
@@ -112,7 +91,7 @@ TEST(AttentionLayerPadding, RunsAHeadSizeTheBackendTakesOnlyPaddedAsTheUnpaddedL
   }
   // No backend takes it padded either: the refusal for the caller's head size stands.
   Registry step128;
-  step128.add(std::make_unique<StepBackend>(*default_registry().find("ref"), 128));
+  step128.add(std::make_unique<test::StepBackend>(*default_registry().find("ref"), 128));
   ForwardContext ctx;
   EXPECT_ERROR(Attention(ctx, options(59), step128), NotSupported, "head sizes in steps of 128");
 }

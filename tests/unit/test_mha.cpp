@@ -11,6 +11,7 @@
 
 #include "common/expect_error.h"
 #include "common/mha_reference.h"
+#include "common/step_backend.h"
 #include "pagedattn/accuracy.h"
 #include "pagedattn/error.h"
 #include "pagedattn/mha.h"
@@ -114,34 +115,12 @@ TEST(MultiHeadAttention, AKeyLengthOtherThanTheQuerysNeedsTheCrossAttentionPath)
   EXPECT_NO_THROW(mha.forward(q.view(), same.view(), same.view()));
 }
 
-// Every backend this build has on the CPU, bf16 and float32, MHA / GQA / MQA, key lengths equal
-// to, shorter and longer than the query's (Sq = 1 and Skv = 1 included), 3-D and 4-D views:
-// the budget is twice the low-precision reference's error plus the dtype's atol.
-// ref refusing head sizes that are not multiples of `step` (8: as the cuda kernels do).
-class StepBackend final : public Backend {
- public:
-  StepBackend(const Backend& ref, int step) : ref_(ref), step_(step) {}
-  std::string_view name() const override { return "mha-test-step"; }
-  std::string_view description() const override { return "ref at multiples of a step only"; }
-  std::vector<std::string> check(const BackendQuery& q) const override {
-    if (q.config.head_size % step_ != 0) return {detail::cat("head sizes in steps of ", step_)};
-    return ref_.check(q);
-  }
-  std::unique_ptr<AttentionImpl> make_impl(const AttentionConfig& c, Device d) const override {
-    return ref_.make_impl(c, d);
-  }
-
- private:
-  const Backend& ref_;
-  int step_;
-};
-
 // A head size the backend refuses but takes padded to the next multiple of 8 runs padded (zero
 // columns, the caller's scale) and gives attention at the caller's head size, self and cross;
 // with no backend taking either, the refusal names the caller's head size.
 TEST(MultiHeadAttention, PadsAHeadSizeTheBackendTakesOnlyPadded) {
   Registry registry;
-  registry.add(std::make_unique<StepBackend>(*default_registry().find("ref"), 8));
+  registry.add(std::make_unique<test::StepBackend>(*default_registry().find("ref"), 8));
   std::mt19937 rng(59);
   for (const int d : {59, 13, 1}) {
     for (const int skv : {9, 14}) {
@@ -166,11 +145,14 @@ TEST(MultiHeadAttention, PadsAHeadSizeTheBackendTakesOnlyPadded) {
     }
   }
   Registry coarse;
-  coarse.add(std::make_unique<StepBackend>(*default_registry().find("ref"), 128));
+  coarse.add(std::make_unique<test::StepBackend>(*default_registry().find("ref"), 128));
   EXPECT_ERROR(MultiHeadAttention(mha_options(2, 2, 59, DType::kF32), coarse), NotSupported,
                "head sizes in steps of 128");
 }
 
+// Every backend this build has on the CPU, bf16 and float32, MHA / GQA / MQA, key lengths equal
+// to, shorter and longer than the query's (Sq = 1 and Skv = 1 included), 3-D and 4-D views:
+// the budget is twice the low-precision reference's error plus the dtype's atol.
 TEST(MultiHeadAttention, MatchesFloat64OnEveryCpuBackend) {
   Registry lowp;
   lowp.add(ref::make_backend(ref::Precision::kLowPrecision));
