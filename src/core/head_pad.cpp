@@ -24,19 +24,37 @@ TensorView HeadPad::scratch(Slot slot, int64_t n, int64_t heads, Stream stream) 
   return v;
 }
 
+namespace {
+
+// The first `cols` elements of every (row, head) of src [n, heads, *] into dst [n, heads, *]:
+// one 2-D copy of n * heads rows where both views' heads are evenly strided across rows, else
+// one per head.
+void copy_heads(const TensorView& dst, const TensorView& src, int cols, Device device,
+                Stream stream) {
+  const size_t e = dtype_size(src.dtype);
+  DeviceRuntime& rt = require_device(device);
+  auto flat = [](const TensorView& v) { return v.stride(0) == v.size(1) * v.stride(1); };
+  if (flat(dst) && flat(src)) {
+    rt.copy_2d_async(dst.data, size_t(dst.stride(1)) * e, src.data, size_t(src.stride(1)) * e,
+                     size_t(cols) * e, size_t(src.size(0) * src.size(1)), device.index, stream);
+    return;
+  }
+  for (int64_t h = 0; h < src.size(1); ++h) {
+    rt.copy_2d_async(
+        static_cast<char*>(dst.data) + h * dst.stride(1) * e, size_t(dst.stride(0)) * e,
+        static_cast<const char*>(src.data) + h * src.stride(1) * e, size_t(src.stride(0)) * e,
+        size_t(cols) * e, size_t(src.size(0)), device.index, stream);
+  }
+}
+
+}  // namespace
+
 TensorView HeadPad::pad(Slot slot, const TensorView& rows, Stream stream) {
   require(rows.ndim == 3 && rows.size(2) == head_size_ && rows.stride(2) == 1,
           "head padding: ", describe(rows), " is not [n, heads, ", head_size_,
           "] with contiguous rows");
   const TensorView dst = scratch(slot, rows.size(0), rows.size(1), stream);
-  const size_t e = dtype_size(dtype_);
-  DeviceRuntime& rt = require_device(device_);
-  for (int64_t h = 0; h < rows.size(1); ++h) {
-    rt.copy_2d_async(static_cast<char*>(dst.data) + h * padded_ * e, size_t(dst.stride(0)) * e,
-                     static_cast<const char*>(rows.data) + h * rows.stride(1) * e,
-                     size_t(rows.stride(0)) * e, size_t(head_size_) * e, size_t(rows.size(0)),
-                     device_.index, stream);
-  }
+  copy_heads(dst, rows, head_size_, device_, stream);
   return dst;
 }
 
@@ -44,15 +62,7 @@ void HeadPad::unpad(const TensorView& padded, const TensorView& out, Stream stre
   require(out.ndim == 3 && out.size(2) == head_size_ && out.stride(2) == 1,
           "head padding: ", describe(out), " is not [n, heads, ", head_size_,
           "] with contiguous rows");
-  const size_t e = dtype_size(dtype_);
-  DeviceRuntime& rt = require_device(device_);
-  for (int64_t h = 0; h < out.size(1); ++h) {
-    rt.copy_2d_async(static_cast<char*>(out.data) + h * out.stride(1) * e,
-                     size_t(out.stride(0)) * e,
-                     static_cast<const char*>(padded.data) + h * padded.stride(1) * e,
-                     size_t(padded.stride(0)) * e, size_t(head_size_) * e, size_t(out.size(0)),
-                     device_.index, stream);
-  }
+  copy_heads(out, padded, head_size_, device_, stream);
 }
 
 PaddedSelection select_padded(const Registry& registry, const AttentionConfig& config,

@@ -66,19 +66,24 @@ TEST(AttentionLayerPadding, RunsAHeadSizeTheBackendTakesOnlyPaddedAsTheUnpaddedL
     for (size_t s = 0; s < steps.size(); ++s) {
       const AttentionMetadata md = steps[s].view();
       const int64_t t = md.num_actual_tokens, rows = t + 1;  // one row past the step's
-      auto q = random_values(size_t(t * 4 * d), rng);
-      auto k = random_values(size_t(t * 2 * d), rng), v = random_values(size_t(t * 2 * d), rng);
+      // q, k and v as column ranges of one packed [t, 8 d] qkv buffer (rows strided past
+      // their heads, as a fused projection leaves them); the output contiguous.
+      auto qkv = random_values(size_t(t * 8 * d), rng);
+      auto part = [&](int64_t col, int64_t w) {
+        TensorView x = TensorView::contiguous(qkv.data() + col, DType::kF32, {t, w});
+        x.strides[0] = 8 * d;
+        return x;
+      };
+      const TensorView q = part(0, 4 * d), k = part(4 * d, 2 * d), v = part(6 * d, 2 * d);
       auto view = [](std::vector<float>& x, int64_t n, int64_t w) {
         return TensorView::contiguous(x.data(), DType::kF32, {n, w});
       };
       std::vector<float> got(size_t(rows * 4 * d), std::nanf("")), want = got;
       padded_ctx.begin_step({&md});
-      padded.forward(view(q, t, 4 * d), view(k, t, 2 * d), view(v, t, 2 * d),
-                     view(got, rows, 4 * d));
+      padded.forward(q, k, v, view(got, rows, 4 * d));
       padded_ctx.end_step();
       plain_ctx.begin_step({&md});
-      plain.forward(view(q, t, 4 * d), view(k, t, 2 * d), view(v, t, 2 * d),
-                    view(want, rows, 4 * d));
+      plain.forward(q, k, v, view(want, rows, 4 * d));
       plain_ctx.end_step();
       for (int64_t i = 0; i < t * 4 * d; ++i) {
         ASSERT_TRUE(std::isfinite(got[size_t(i)])) << "d" << d << " step " << s << " at " << i;
