@@ -74,19 +74,23 @@ PaddedSelection select_padded(const Registry& registry, const AttentionConfig& c
     return out;
   } catch (const NotSupported&) {
     const std::exception_ptr refused = std::current_exception();
-    AttentionConfig padded = config;
-    padded.head_size = head_size_step_8(config.head_size);
-    if (padded.head_size == config.head_size || config.head_size_v() != config.head_size) {
-      std::rethrow_exception(refused);
+    if (config.head_size_v() != config.head_size) std::rethrow_exception(refused);
+    // The next multiple of 8, then of 16 (fp8 caches' 16-byte rows): the first one taken.
+    const int d = config.head_size;
+    for (const int width : {head_size_step_8(d), (d + 15) / 16 * 16}) {
+      if (width == d) continue;
+      AttentionConfig padded = config;
+      padded.head_size = width;
+      try {
+        out.backend = &registry.select(BackendQuery{padded, device}, override_name);
+      } catch (const NotSupported&) {
+        continue;
+      }
+      out.run_config = padded;
+      out.pad = std::make_unique<HeadPad>(d, width, config.dtype, device);
+      return out;
     }
-    try {
-      out.backend = &registry.select(BackendQuery{padded, device}, override_name);
-    } catch (const NotSupported&) {
-      std::rethrow_exception(refused);
-    }
-    out.run_config = padded;
-    out.pad = std::make_unique<HeadPad>(config.head_size, padded.head_size, config.dtype, device);
-    return out;
+    std::rethrow_exception(refused);
   }
 }
 

@@ -52,7 +52,8 @@ constexpr int head_size_step_8(int head_size) {
 }
 
 /// A layer's backend and what it runs: `config` as it is where a backend takes it (pad null);
-/// else, where one takes its head size padded to the next multiple of 8 (and V's equal to it),
+/// else, where one takes its head size padded to the next multiple of 8, or failing that of 16
+/// (an fp8 cache's rows on cuda are whole 16-byte chunks), with V's equal to it,
 /// that backend, the padded config (the scale stays the caller's) and the HeadPad. Else the
 /// refusal for `config` stands (NotSupported, every backend's reasons).
 struct PaddedSelection {

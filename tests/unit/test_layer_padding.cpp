@@ -1,6 +1,7 @@
 // The Attention layer over a backend that takes its head size only padded to the next multiple
-// of 8 (as the cuda kernels take 59 as 64): the layer runs it padded (src/core/head_pad.h) and
-// gives what an unpadded layer gives, step after step through the cache.
+// of 8 or 16 (as the cuda kernels take 59 as 64, and 40 as 48 over an fp8 cache): the layer runs it
+// padded (src/core/head_pad.h) and gives what an unpadded layer gives, step after step through the
+// cache.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -40,13 +41,15 @@ std::vector<float> random_values(size_t n, std::mt19937& rng) {
 }
 
 TEST(AttentionLayerPadding, RunsAHeadSizeTheBackendTakesOnlyPaddedAsTheUnpaddedLayerDoes) {
-  Registry step8;
+  Registry step8, step16;
   step8.add(std::make_unique<test::StepBackend>(*default_registry().find("ref"), 8));
+  step16.add(std::make_unique<test::StepBackend>(*default_registry().find("ref"), 16));
   std::mt19937 rng(59);
-  for (const int d : {59, 13}) {
-    const int d8 = (d + 7) / 8 * 8;
+  // Steps of 16 (cuda over an fp8 cache): 40 runs as 48.
+  for (const auto& [d, step] : {std::pair{59, 8}, {13, 8}, {40, 16}}) {
+    const int d8 = (d + step - 1) / step * step;
     ForwardContext padded_ctx, plain_ctx;
-    Attention padded(padded_ctx, options(d), step8);
+    Attention padded(padded_ctx, options(d), step == 8 ? step8 : step16);
     AttentionOptions plain_options = options(d);
     plain_options.attn_backend = "ref";
     Attention plain(plain_ctx, plain_options);
