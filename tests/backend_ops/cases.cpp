@@ -569,6 +569,15 @@ std::vector<OpCase> make_case_matrix(uint32_t seed_base) {
     }
   }
   {
+    // float32 (the cuda generic kernel) with V at half K's width.
+    AttentionConfig c = base;
+    c.head_size = 80;
+    c.v_head_size = 40;
+    c.dtype = DType::kF32;
+    c.scale = 0;
+    m.add("v_head", c, {{40, 1}, {0, 9}, {33, 1}}, 1);
+  }
+  {
     AttentionConfig c = base;
     c.head_size = 192;
     c.v_head_size = 128;

@@ -132,17 +132,46 @@ TEST(CudaBackendHost, HeadSizesRunOnTheSmallestCompiledInstanceThatHoldsThem) {
   EXPECT_EQ(reasons(c).find("head_size"), std::string::npos) << reasons(c);
 }
 
-// A V head size of its own (AttentionConfig::v_head_size) is served on the host only.
-TEST(CudaBackendHost, RefusesAVHeadSizeOfItsOwn) {
-  const auto backend = cuda::make_backend(cuda::BackendOptions{});
-  AttentionConfig c = gqa_config(DType::kBF16, 128);
-  c.v_head_size = 64;
-  std::string all;
-  for (const auto& r : backend->check({c, Device::cuda(0)})) all += r + "\n";
-  EXPECT_NE(all.find("v_head_size 64 differs from head_size 128: the cuda kernels read V rows of "
-                     "the Q/K head size (not implemented"),
+// A V head size of its own (AttentionConfig::v_head_size) runs, with the option v_head=on, on
+// K's instance where V's rows are whole 16-byte chunks; other V widths, and a v_head_size beside
+// the MLA shape, are refused with their reason. Off (the default) refuses it.
+TEST(CudaBackendHost, VHeadSizesOfTheirOwnWhereTheirRowsAreWholeChunks) {
+  AttentionConfig c = gqa_config(DType::kBF16, 192);
+  c.v_head_size = 128;
+  {
+    std::string all;
+    for (const auto& r : cuda::make_backend(cuda::BackendOptions{})->check({c, Device::cuda(0)})) {
+      all += r + "\n";
+    }
+    EXPECT_NE(all.find("v_head_size 128 differs from head_size 192: the cuda kernels take it with "
+                       "the option v_head=on"),
+              std::string::npos)
+        << all;
+  }
+  cuda::BackendOptions on;
+  on.v_head = true;
+  const auto backend = cuda::make_backend(on);
+  auto reasons = [&](AttentionConfig x) {
+    std::string all;
+    for (const auto& r : backend->check({x, Device::cuda(0)})) all += r + "\n";
+    return all;
+  };
+  EXPECT_EQ(reasons(c).find("v_head_size"), std::string::npos) << reasons(c);
+  c.head_size = 72;
+  c.v_head_size = 40;
+  EXPECT_EQ(reasons(c).find("v_head_size"), std::string::npos) << reasons(c);
+  c.v_head_size = 36;
+  EXPECT_NE(reasons(c).find("v_head_size 36 over a bfloat16 cache: the cuda kernels take V head "
+                            "sizes from 8 to 256 in steps of 8"),
             std::string::npos)
-      << all;
+      << reasons(c);
+  c.v_head_size = 40;
+  c.head_size = 64;
+  c.kv_cache_dtype = KVCacheDType::kFp8E4M3;
+  EXPECT_NE(reasons(c).find("v_head_size 40 over a float8_e4m3fn cache"), std::string::npos)
+      << reasons(c);
+  c.v_head_size = 32;
+  EXPECT_EQ(reasons(c).find("v_head_size"), std::string::npos) << reasons(c);
 }
 
 cuda::SplitInputs inputs(int batch, int kv_len, int q_len = 1) {
@@ -285,7 +314,9 @@ TEST(CudaBackendHost, OptionsByName) {
   const std::vector<BackendOptionInfo> infos = cuda::describe_options(d);
   for (size_t n = 0; n < infos.size(); ++n) {
     const BackendOptionInfo& i = infos[n];
-    EXPECT_EQ(i.value, i.name == "checked" || i.name == "head_scales" ? "off" : "auto") << i.name;
+    EXPECT_EQ(i.value,
+              i.name == "checked" || i.name == "head_scales" || i.name == "v_head" ? "off" : "auto")
+        << i.name;
     EXPECT_FALSE(i.help.empty()) << i.name;
     // Each word it lists is accepted and spells back as itself.
     for (const std::string& a : i.allowed) {

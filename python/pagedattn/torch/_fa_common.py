@@ -290,16 +290,19 @@ def varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.T
         k = torch.cat((v, k), dim=-1)
         v = k
     elif dv != D and (dv > D or q.is_cuda):
-        # The op serves dv < d (v_head_size) on the cpu and ref backends; a wider V, or any
-        # dv != d on CUDA, becomes one head size: zero columns appended to q and k (the dot
-        # products unchanged; the scale stays d's) or to v (sliced off the output).
+        # The op serves dv < d (v_head_size) on the cpu and ref backends (cuda with its option
+        # v_head=on only); a wider V, or any dv != d on CUDA, becomes one head size: zero
+        # columns appended to q and k (the dot products unchanged; the scale stays d's) or to
+        # v (sliced off the output).
         width = max(D, dv)
         q, k, v = (_pad_last(t, width) for t in (q, k, v))
-    if q.is_cuda and k.dim() == 3 and q.shape[-1] % 8 != 0:
-        # The cuda kernels take head sizes in steps of 8: zero columns appended to q, k and v
-        # up to the next one, as FlashAttention pads (the scale stays d's; the padding is
-        # sliced off the output). A paged cache is the caller's and cannot be padded here.
-        width = (q.shape[-1] + 7) // 8 * 8
+    step = 16 if k.element_size() == 1 else 8
+    if q.is_cuda and k.dim() == 3 and q.shape[-1] % step != 0:
+        # The cuda kernels take head sizes in steps of 8 (16 over fp8 k / v: whole 16-byte
+        # rows): zero columns appended to q, k and v up to the next one, as FlashAttention
+        # pads (the scale stays d's; the padding is sliced off the output). A paged cache is
+        # the caller's and cannot be padded here.
+        width = (q.shape[-1] + step - 1) // step * step
         q, k, v = (_pad_last(t, width) for t in (q, k, v))
     # Descales: fp8 only (FlashAttention 3 ignores them for 16-bit inputs).
     kv_scale = (1.0, 1.0)

@@ -8,7 +8,7 @@
 //             no keys has lse -inf and is never read).
 //   grid      one warp per row, 4 rows per CTA; lane s holds split s's LSE (s < 64), and each
 //             lane then owns 4 columns (float4) of each 128 of the head.
-//   budget    no shared memory; reads num_splits * (head_size + 1) floats per row and writes
+//   budget    no shared memory; reads num_splits * (v_head_size + 1) floats per row and writes
 //             one output row: small next to the KV traffic when splits hold >= 256 keys.
 //   test      split cases in tests/cuda (forced split counts) and every long-context case of
 //             backend_ops; timed inside bench/gpu/bench_decode.
@@ -49,14 +49,14 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta)
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
 
-  // Columns: lane owns float4 chunk `lane` (and `lane + 32` when head_size > 128).
-  const int chunks = p.head_size / 4;
+  // Columns: lane owns float4 chunk `lane` (and `lane + 32` when v_head_size > 128).
+  const int chunks = p.v_head_size / 4;
   float acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll 4
   for (int s = 0; s < splits; ++s) {
     const float wgt = __shfl_sync(0xffffffffu, s < 32 ? w0 : w1, s & 31);
     if (wgt == 0.0f) continue;  // warp-uniform: a split without keys is never read
-    const float* src = p.partial_o + (s * split_rows + row) * p.head_size;
+    const float* src = p.partial_o + (s * split_rows + row) * p.v_head_size;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const int c = lane + 32 * k;

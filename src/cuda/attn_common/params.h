@@ -28,14 +28,14 @@ __host__ __device__ inline float v_scale_of(const AttnParams& p, int kv_head);
 struct AttnParams {
   const void* q;  ///< [num_tokens, num_heads, head_size], activation dtype
   int64_t q_stride_token, q_stride_head;
-  void* out;  ///< [num_tokens, num_heads, head_size], activation dtype
+  void* out;  ///< [num_tokens, num_heads, v_head_size], activation dtype
   int64_t out_stride_token, out_stride_head;
   void* lse;  ///< optional [num_heads, num_tokens], natural log; nullptr = not wanted
   int64_t lse_stride_head, lse_stride_token;
   int lse_is_f64;  ///< lse is float64 rather than float32
 
   const void* k;  ///< [num_blocks, block_size, num_kv_heads, head_size] (kv_direct: [T, Hkv, D])
-  const void* v;  ///< same shape as k
+  const void* v;  ///< as k, with rows of v_head_size
   int64_t k_stride_block, k_stride_page, k_stride_head;
   int64_t v_stride_block, v_stride_page, v_stride_head;
   int kv_direct;  ///< encoder types: keys are the request's own rows of k / v, no block table
@@ -48,6 +48,9 @@ struct AttnParams {
   int num_seqs;
   int num_heads, num_kv_heads, group;  ///< group = num_heads / num_kv_heads (G)
   int head_size, block_size;
+  /// Columns of V and O (<= head_size; FlashAttention's dv). V's columns past it are zeros in
+  /// shared memory, as a bucket's are past head_size, and O stops at it.
+  int v_head_size;
   int num_q_tiles;        ///< ceil(max_query_len * G / kRows): grid.x = num_seqs * Hkv * this
   int num_actual_tokens;  ///< T_a: rows of the split partials and of the combine
 
@@ -69,7 +72,7 @@ struct AttnParams {
   int window_right;  ///< >= 0: keys j > pos + window_right are masked; -1 = unbounded
 
   int num_splits;      ///< grid.y; > 1: partials go to the workspace, the combine kernel merges
-  float* partial_o;    ///< [num_splits, T_a, num_heads, head_size] float, normalised, v-scaled
+  float* partial_o;    ///< [num_splits, T_a, num_heads, v_head_size] float, normalised, v-scaled
   float* partial_lse;  ///< [num_splits, T_a, num_heads] float, log2 units (-inf = no keys)
   /// > 0: the prefill kernel runs in the same step and takes the requests with more packed
   /// rows (q_len * G) than this; the decode kernel skips them. 0: one kernel takes every row.

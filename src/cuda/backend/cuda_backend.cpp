@@ -89,11 +89,25 @@ class CudaBackend final : public Backend {
       reasons.push_back(cat("write_kv is not compiled for ", dtype_name(c.dtype),
                             " activations into a ", dtype_name(cache), " cache"));
     }
-    if (c.head_size_v() != c.head_size) {
-      reasons.push_back(cat("v_head_size ", c.head_size_v(), " differs from head_size ",
-                            c.head_size,
-                            ": the cuda kernels read V rows of the Q/K head size (not "
-                            "implemented; the cpu and ref backends serve it)"));
+    // V narrower than K runs on K's instance, V's columns past v_head_size zero in shared
+    // memory: its rows move in 16-byte chunks as K's do.
+    if (c.head_size_v() != c.head_size && is_mla_shape(c)) {
+      reasons.push_back(cat("v_head_size ", c.head_size_v(),
+                            " with head_size 576: the MLA latent kernel reads V as the latent part "
+                            "of the one 576-wide entry (leave v_head_size unset; the output is "
+                            "[..., 512])"));
+    } else if (c.head_size_v() != c.head_size && !options_.v_head) {
+      reasons.push_back(
+          cat("v_head_size ", c.head_size_v(), " differs from head_size ", c.head_size,
+              ": the cuda kernels take it with the option v_head=on (off by default "
+              "until that path has run on a GPU); the cpu and ref backends serve it"));
+    } else if (c.head_size_v() != c.head_size &&
+               !attn::serves_head_size(c.head_size_v(), int64_t(dtype_size(cache)))) {
+      reasons.push_back(cat("v_head_size ", c.head_size_v(), " over a ", dtype_name(cache),
+                            " cache: the cuda kernels take V head sizes from 8 to ",
+                            attn::kMaxHeadSize, " in steps of ", dtype_size(cache) == 1 ? 16 : 8,
+                            " (16-byte chunks of V rows); the cpu and ref backends serve every "
+                            "size"));
     }
     if (is_mla_shape(c)) {
       for (std::string& r : mla_reasons(c)) reasons.push_back(std::move(r));

@@ -97,6 +97,11 @@ struct BackendOptions {
   /// as every build did before the kernels took them: the path has not yet run on a GPU
   /// (tests/cuda CudaDecode.PerHeadScalesRunPerKvHead turns it on to check it there).
   bool head_scales = false;
+  /// V narrower than K (AttentionConfig::v_head_size) on the attention kernels, on K's instance
+  /// with V's columns past v_head_size zero in shared memory. Off (the default) refuses it with
+  /// a reason, as every build did before the kernels took it: the path has not yet run on a GPU
+  /// (bench/gpu/head_sizes.sh runs backend_ops' v_head cases with it on).
+  bool v_head = false;
 };
 
 /// The defaults with the user's environment: checked mode from PAGEDATTN_CHECKED, the split

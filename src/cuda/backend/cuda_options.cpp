@@ -99,6 +99,12 @@ const std::vector<Field>& option_table() {
         {{"off", 0}, {"on", 1}}},
        [](const BackendOptions& o) { return int(o.head_scales); },
        [](BackendOptions& o, int v) { o.head_scales = v != 0; }},
+      {{"v_head",
+        "V head sizes narrower than K's (v_head_size) on the attention kernels: off (refused, the "
+        "default until the path has run on a GPU) or on",
+        {{"off", 0}, {"on", 1}}},
+       [](const BackendOptions& o) { return int(o.v_head); },
+       [](BackendOptions& o, int v) { o.v_head = v != 0; }},
       {{"prefill_walk",
         "persistent Hopper prefill: auto (an atomic counter where the dynamic walk pays, else "
         "the static snake) or static (the snake always; tests)",

@@ -197,6 +197,7 @@ void CudaImpl::write_kv(const WriteKVArgs& a) {
   p.num_slots = int(num_slots);
   p.num_kv_heads = config_.num_kv_heads;
   p.head_size = config_.head_size;
+  p.v_head_size = config_.head_size_v();
   p.block_size = c.block_size();
   p.k_scale = a.scales.k_scale;
   p.v_scale = a.scales.v_scale;
@@ -217,8 +218,8 @@ void CudaImpl::write_kv(const WriteKVArgs& a) {
     return aligned(v.data, cache_align) && v.stride(0) % 8 == 0 && v.stride(1) % 8 == 0 &&
            v.stride(2) % 8 == 0;
   };
-  p.vectorized = config_.head_size % 8 == 0 && vec8(a.key) && vec8(a.value) && cache_ok(c.key) &&
-                 cache_ok(c.value);
+  p.vectorized = config_.head_size % 8 == 0 && config_.head_size_v() % 8 == 0 && vec8(a.key) &&
+                 vec8(a.value) && cache_ok(c.key) && cache_ok(c.value);
   write_->launch(p, stream);
 }
 
@@ -333,6 +334,7 @@ void set_rows(attn::AttnParams& p, const AttentionMetadata& md, const AttentionC
   p.num_kv_heads = cfg.num_kv_heads;
   p.group = cfg.num_queries_per_kv();
   p.head_size = cfg.head_size;
+  p.v_head_size = cfg.head_size_v();
   p.num_q_tiles = int((int64_t(md.max_query_len) * p.group + decode::kRows - 1) / decode::kRows);
   p.num_actual_tokens = md.num_actual_tokens;
 }
@@ -480,8 +482,9 @@ void CudaImpl::forward(const ForwardArgs& args) {
     forward_mla(a, stream);
     return;
   }
-  require<NotSupported>(a.output.size(2) == cfg.head_size,
-                        "cuda backend: an output narrower than head_size (", describe(a.output),
+  require<NotSupported>(a.output.size(2) == cfg.head_size_v(),
+                        "cuda backend: an output of another width than v_head_size ",
+                        cfg.head_size_v(), " (", describe(a.output),
                         ") is served by the MLA latent kernel only (head size 576)");
 
   const auto* plan = dynamic_cast<const CudaPlan*>(a.plan);
@@ -538,7 +541,8 @@ int CudaImpl::prefill_pair_group(const AttentionMetadata& md, bool dynamic) cons
   if (prefill_pair_group_ != 0) return prefill_pair_group_;
   // A pair's K and V at the longest sequence's keys, as the kernel reads them.
   const int64_t keys = std::max({md.max_seq_len, md.max_query_len, 1});
-  const int64_t pair_bytes = keys * config_.head_size * 2 * int64_t(dtype_size(cache_dtype_));
+  const int64_t pair_bytes =
+      keys * (config_.head_size + config_.head_size_v()) * int64_t(dtype_size(cache_dtype_));
   const double share = dynamic ? kPrefillL2ShareDynamic : kPrefillL2Share;
   const int floor = dynamic ? kPrefillMinPairGroupDynamic : kPrefillMinPairGroup;
   const int64_t budget = int64_t(double(l2_bytes_) * share);
@@ -573,8 +577,10 @@ void CudaImpl::set_prefill_tma(attn::AttnParams& p, const TensorView& k, const T
   }
   const int mode = ka.head <= ka.row ? 1 : 2;
   if ((va.head <= va.row ? 1 : 2) != mode) return;
-  auto encode = [&](CUtensorMap* map, const TensorView& t, const Axes& a) {
-    const uint64_t head_size = uint64_t(config_.head_size);
+  // K's map is head_size columns wide, V's v_head_size: a box's columns past them (a bucket's,
+  // or whole panels past a narrower V) arrive as zeros.
+  auto encode = [&](CUtensorMap* map, const TensorView& t, const Axes& a, int cols) {
+    const uint64_t head_size = uint64_t(cols);
     const uint64_t heads = uint64_t(cached ? t.size(2) : t.size(1));
     if (!aligned(t.data, 16) || (a.head * 2) % 16 != 0 || (a.row * 2) % 16 != 0 ||
         (a.block * 2) % 16 != 0) {
@@ -589,7 +595,8 @@ void CudaImpl::set_prefill_tma(attn::AttnParams& p, const TensorView& k, const T
     const char* why = nullptr;
     return encode_tiled_sw128(map, t.data, t.dtype == DType::kBF16, 4, dims, strides, boxes, &why);
   };
-  if (encode(&p.k_map, k, ka) && encode(&p.v_map, v, va)) {
+  if (encode(&p.k_map, k, ka, config_.head_size) &&
+      encode(&p.v_map, v, va, config_.head_size_v())) {
     p.kv_tma = mode;
     p.kv_tma_rows = box;
   }

@@ -105,16 +105,19 @@ __global__ void __launch_bounds__(kMaxThreads)
   const char* const value =
       static_cast<const char*>(p.value) + t * p.value_stride_token * kElemBytes<kAct>;
   if (p.vectorized) {
-    const int chunks_per_head = p.head_size / kVec;
+    // Chunk c of a head's K row and of its V row (which stops at v_head_size) together.
+    const int chunks_per_head = p.head_size / kVec, v_chunks = p.v_head_size / kVec;
     const int n = p.num_kv_heads * chunks_per_head;
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
-      const int h = c / chunks_per_head, d = (c - h * chunks_per_head) * kVec;
+      const int h = c / chunks_per_head, chunk = c - h * chunks_per_head, d = chunk * kVec;
       write_chunk<kAct, kCache>(key + (h * p.key_stride_head + d) * kElemBytes<kAct>,
                                 k_row + (h * p.k_stride_head + d) * kElemBytes<kCache>,
                                 p.per_head_scales ? p.k_scales[h] : p.k_scale);
-      write_chunk<kAct, kCache>(value + (h * p.value_stride_head + d) * kElemBytes<kAct>,
-                                v_row + (h * p.v_stride_head + d) * kElemBytes<kCache>,
-                                p.per_head_scales ? p.v_scales[h] : p.v_scale);
+      if (chunk < v_chunks) {
+        write_chunk<kAct, kCache>(value + (h * p.value_stride_head + d) * kElemBytes<kAct>,
+                                  v_row + (h * p.v_stride_head + d) * kElemBytes<kCache>,
+                                  p.per_head_scales ? p.v_scales[h] : p.v_scale);
+      }
     }
     return;
   }
@@ -123,13 +126,13 @@ __global__ void __launch_bounds__(kMaxThreads)
   for (int c = threadIdx.x; c < n; c += blockDim.x) {
     const int h = c / p.head_size, d = c - h * p.head_size;
     float k = load_as_float<kAct>(key, h * p.key_stride_head + d);
-    float v = load_as_float<kAct>(value, h * p.value_stride_head + d);
-    if constexpr (kFp8) {
-      k = k / (p.per_head_scales ? p.k_scales[h] : p.k_scale);
-      v = v / (p.per_head_scales ? p.v_scales[h] : p.v_scale);
-    }
+    if constexpr (kFp8) k = k / (p.per_head_scales ? p.k_scales[h] : p.k_scale);
     store_from_float<kCache>(k_row, h * p.k_stride_head + d, k);
-    store_from_float<kCache>(v_row, h * p.v_stride_head + d, v);
+    if (d < p.v_head_size) {
+      float v = load_as_float<kAct>(value, h * p.value_stride_head + d);
+      if constexpr (kFp8) v = v / (p.per_head_scales ? p.v_scales[h] : p.v_scale);
+      store_from_float<kCache>(v_row, h * p.v_stride_head + d, v);
+    }
   }
 }
 

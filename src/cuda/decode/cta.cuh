@@ -70,13 +70,15 @@ __device__ __forceinline__ Lane lane_ids() {
 /// The problem's sizes as this instance sees them: compile-time for the tensor-core instances,
 /// read from the parameters by the generic one. `head_size` is the width the kernel computes
 /// at (the instance's bucket, or the generic kernel's next multiple of 16); `cols` is the
-/// problem's head size (p.head_size <= head_size). Columns cols .. head_size - 1 of Q, K and V
-/// are zeros in shared memory (never read from global memory), so they add 0 to every score
-/// and give output columns that are never stored.
+/// problem's head size (p.head_size <= head_size) and `v_cols` V's (p.v_head_size <= cols).
+/// Columns cols .. head_size - 1 of Q and K, and v_cols .. head_size - 1 of V, are zeros in
+/// shared memory (never read from global memory): they add 0 to every score and give output
+/// columns that are never stored.
 template <class T>
 struct Shape {
   int head_size;       // columns of the smem rows and of the products
-  int cols;            // columns of Q, K, V and O in global memory
+  int cols;            // columns of Q and K in global memory
+  int v_cols;          // columns of V and O in global memory
   int nt_active;       // n tiles of 8 columns that the products cover (head_size / 8)
   SmemLayout lay;      // the dynamic shared memory of this launch
   int kv_bytes;        // bytes per cache element
@@ -84,6 +86,7 @@ struct Shape {
   __device__ __forceinline__ explicit Shape(const AttnParams& p) {
     head_size = T::kMma ? kNtOf<T> * 8 : padded_head_size(p.head_size);
     cols = p.head_size;
+    v_cols = p.v_head_size;
     nt_active = head_size / 8;
     lay = layout_for<T>(p.head_size, p.kv_dtype);
     kv_bytes = T::kMma ? T::kKvBytes : kv_elem_bytes(p.kv_dtype);

@@ -46,7 +46,8 @@ struct KvPipe {
   int64_t kv_delta;      // v_head - k_head
   int cpr, n_chunks;     // 16-byte chunks per row and per tile
   uint64_t* my_bars;     // [kStages] mbarriers of the bulk-copy path
-  uint32_t row_bytes_g;  // bytes of a cache row in global memory (p.head_size columns)
+  uint32_t row_bytes_g;  // bytes of a K row in global memory (p.head_size columns)
+  uint32_t v_bytes_g;    // bytes of a V row in global memory (p.v_head_size columns)
 
   // Sizes and lanes are derived here rather than passed in, so that the compiler sees them as
   // it did in one function (constants of the tensor-core instances, lane ranges).
@@ -81,6 +82,7 @@ struct KvPipe {
     n_chunks = kTileTokens * cpr;
     my_bars = reinterpret_cast<uint64_t*>(smem + lay.bar_offset) + warp * T::kStages;
     row_bytes_g = uint32_t(sh.cols * kv_bytes);
+    v_bytes_g = uint32_t(sh.v_cols * kv_bytes);
   }
 
   // The first key of this warp's tile k.
@@ -140,14 +142,14 @@ struct KvPipe {
                                           : reinterpret_cast<const char*>(__shfl_sync(
                                                 0xffffffffu, reinterpret_cast<long long>(vp), row));
       if (kFixedCol || c < n_chunks) {
-        // Chunks past the row's bytes (a head size below the instance's) are zero-filled too;
-        // they read nothing, from the row's start.
-        const bool in_row = uint32_t(col * 16) < row_bytes_g;
-        const int bytes = ts + row < w.kv_end && in_row ? 16 : 0;
-        const int at = in_row ? col * 16 : 0;
+        // Chunks past the row's bytes (a head size below the instance's, a V narrower than K)
+        // are zero-filled too; they read nothing, from the row's start.
+        const bool key = ts + row < w.kv_end;
+        const bool k_in = uint32_t(col * 16) < row_bytes_g, v_in = uint32_t(col * 16) < v_bytes_g;
         const uint32_t dst = sm80::smem_addr(sk + row * lay.kv_row_bytes + col * 16);
-        sm80::cp_async_16(dst, kr + at, bytes, policy);
-        sm80::cp_async_16(dst + kTileTokens * lay.kv_row_bytes, vr + at, bytes, policy);
+        sm80::cp_async_16(dst, kr + (k_in ? col * 16 : 0), key && k_in ? 16 : 0, policy);
+        sm80::cp_async_16(dst + kTileTokens * lay.kv_row_bytes, vr + (v_in ? col * 16 : 0),
+                          key && v_in ? 16 : 0, policy);
       }
     }
   }
@@ -168,19 +170,25 @@ struct KvPipe {
     if (!ref.valid) src = reinterpret_cast<const char*>(first);
     unsigned char* const dst = my_stages + stage * lay.stage_bytes +
                                ((is_v ? kTileTokens : 0) + (lane & 15)) * lay.kv_row_bytes;
-    if (lane == 0) sm90::bulk_arrive_expect(&my_bars[stage], 2 * kTileTokens * row_bytes_g);
-    sm90::bulk_copy(dst, src, row_bytes_g, &my_bars[stage]);
+    if (lane == 0) {
+      sm90::bulk_arrive_expect(&my_bars[stage], kTileTokens * (row_bytes_g + v_bytes_g));
+    }
+    sm90::bulk_copy(dst, src, is_v ? v_bytes_g : row_bytes_g, &my_bars[stage]);
   }
 
-  // Bulk copies write row_bytes_g bytes of each smem row: below the instance's head size the
-  // rest of every row of the warp's stages is zeroed once, here, by the warp's own stores
-  // (visible to its lanes after __syncwarp; the copies never touch those bytes).
+  // Bulk copies write row_bytes_g (K) or v_bytes_g (V) bytes of each smem row: below the
+  // instance's head size the rest of every row of the warp's stages is zeroed once, here, by
+  // the warp's own stores (visible to its lanes after __syncwarp; the copies never touch those
+  // bytes). V's row tails start at V's own width.
   __device__ __forceinline__ void zero_row_tails(const SmemLayout& lay) const {
-    const int tail_chunks = cpr - int(row_bytes_g / 16);
+    const int v_first = int(v_bytes_g / 16);  // V's first tail chunk (<= K's)
+    const int tail_chunks = cpr - v_first;
     if (tail_chunks <= 0) return;
     const int rows = T::kStages * 2 * kTileTokens;  // stages' K and V rows are contiguous
     for (int i = lane; i < rows * tail_chunks; i += 32) {
-      const int row = i / tail_chunks, chunk = int(row_bytes_g / 16) + i % tail_chunks;
+      const int row = i / tail_chunks, chunk = v_first + i % tail_chunks;
+      const bool is_v = (row / kTileTokens) & 1;  // each stage: kTileTokens K rows, then V's
+      if (!is_v && chunk * 16 < int(row_bytes_g)) continue;
       *reinterpret_cast<uint4*>(my_stages + row * lay.kv_row_bytes + chunk * 16) =
           make_uint4(0, 0, 0, 0);
     }

@@ -124,7 +124,7 @@ template <class T>
 __device__ __forceinline__ void store_rows(const AttnParams& p, const Work& w, const Shape<T>& sh) {
   unsigned char* const smem = dyn_smem();
   const SmemLayout& lay = sh.lay;
-  const int head_size = sh.cols;  // the columns past it are the padding's zeros
+  const int head_size = sh.v_cols;  // the columns past it are the padding's zeros
   constexpr int kWarps = T::kWarps;
   const float* const mo = reinterpret_cast<const float*>(smem + lay.merge_offset);
   const float* const mml = mo + kWarps * kRows * lay.merge_o_row;

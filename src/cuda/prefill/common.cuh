@@ -130,15 +130,16 @@ __device__ __forceinline__ void copy_q_chunk(const AttnParams& p, const attn::Wo
   *reinterpret_cast<uint4*>(dst) = raw;
 }
 
-// A 16-byte chunk `col` of a K/V row of p.head_size elements of kv_bytes each: its byte
-// offset in the row and the bytes to copy (16, or 0 past the row: the chunk is zero-filled
-// from the row's start). An instance of a larger head size than the problem's (its bucket)
-// keeps zeros in the columns past p.head_size, so they add nothing to any score.
+// A 16-byte chunk `col` of a K/V row of `cols` elements (p.head_size for K, p.v_head_size for
+// V) of kv_bytes each: its byte offset in the row and the bytes to copy (16, or 0 past the
+// row: the chunk is zero-filled from the row's start). An instance of a larger head size than
+// the problem's (its bucket) keeps zeros in the columns past it, so they add nothing to any
+// score (K) and give output columns that are never stored (V).
 struct RowChunk {
   int offset, bytes;
 };
-__device__ __forceinline__ RowChunk row_chunk(const AttnParams& p, int col, int kv_bytes) {
-  const bool in_row = col * 16 < p.head_size * kv_bytes;
+__device__ __forceinline__ RowChunk row_chunk(int cols, int col, int kv_bytes) {
+  const bool in_row = col * 16 < cols * kv_bytes;
   return RowChunk{in_row ? col * 16 : 0, in_row ? 16 : 0};
 }
 
@@ -172,7 +173,7 @@ template <DType kAct, int kNt>
 __device__ __forceinline__ void store_rows(const AttnParams& p, const attn::Work& w,
                                            const float (&o)[kNt][4], const float (&m)[2],
                                            const float (&l)[2], int row_a, int t4) {
-  const int D = p.head_size;  // <= kNt * 8: the instance's columns past it are padding
+  const int D = p.v_head_size;  // <= kNt * 8: the instance's columns past it are padding
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float sum = l[h];

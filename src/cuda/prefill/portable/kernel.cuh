@@ -118,13 +118,14 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm)
       if (kBlockN * kCpr % T::kThreads != 0 && c >= kBlockN * kCpr) break;
       const int row = c / kCpr, col = c - row * kCpr;
       const longlong2 offs = reinterpret_cast<const longlong2*>(slot)[row];
-      const RowChunk chunk = row_chunk(p, col, T::kKvBytes);
-      const bool ok = offs.x >= 0 && chunk.bytes > 0;
-      const int64_t k_off = ok ? offs.x + chunk.offset : 0, v_off = ok ? offs.y + chunk.offset : 0;
+      const RowChunk kc = row_chunk(p.head_size, col, T::kKvBytes);
+      const RowChunk vc = row_chunk(p.v_head_size, col, T::kKvBytes);
+      const bool k_ok = offs.x >= 0 && kc.bytes > 0, v_ok = offs.x >= 0 && vc.bytes > 0;
+      const int64_t k_off = k_ok ? offs.x + kc.offset : 0, v_off = v_ok ? offs.y + vc.offset : 0;
       const uint32_t dk = sm80::smem_addr(sk + row * lay.kv_row_bytes + col * 16);
       const uint32_t dv = sm80::smem_addr(sv + row * lay.kv_row_bytes + col * 16);
-      sm80::cp_async_16(dk, k_head + k_off, ok ? 16 : 0, 0);
-      sm80::cp_async_16(dv, v_head + v_off, ok ? 16 : 0, 0);
+      sm80::cp_async_16(dk, k_head + k_off, k_ok ? 16 : 0, 0);
+      sm80::cp_async_16(dv, v_head + v_off, v_ok ? 16 : 0, 0);
     }
   };
 

@@ -93,7 +93,7 @@ __device__ __forceinline__ void store_rows_staged(const AttnParams& p, const att
   for (int i = 0; i < kPasses; ++i) {
     const int idx = 32 * i + lane, r = idx / kChunks, c = idx - r * kChunks;
     const int64_t row_at = __shfl_sync(0xffffffffu, at, r);
-    if (row_at >= 0 && c * 8 < p.head_size) {  // past it: a bucket's padding columns
+    if (row_at >= 0 && c * 8 < p.v_head_size) {  // past it: a bucket's padding columns
       *reinterpret_cast<uint4*>(out + (row_at + c * 8) * kElemBytes<kAct>) = chunk[i];
     }
   }

@@ -196,7 +196,7 @@ __device__ __forceinline__ void produce(const AttnParams& p, const attn::Work& w
   const int col = ht % kLanes, r0 = ht / kLanes;
   const bool copies = col < kChunks;
   const uint32_t col_at = (col >> 3) * lay.kv_panel;
-  const RowChunk chunk = row_chunk(p, col, 2);
+  const RowChunk chunk = row_chunk(v_half ? p.v_head_size : p.head_size, col, 2);
   // This half's offsets (K's or V's) of tile j into table slot j % kTableSlots, then a barrier
   // of the half (named barrier 4 or 5). Rows past the split read the split's last key instead
   // (its bytes are finite: its scores are masked and its P is 0), so the copies need no

@@ -36,10 +36,12 @@ __device__ __forceinline__ void produce_fp8_math(const AttnParams& p, unsigned c
   constexpr Sm90Layout lay = T::layout();
   const int ct = int(threadIdx.x);
   const int col = ct % kLanes, r0 = ct / kLanes;
-  const RowChunk chunk = row_chunk(p, col, 1);
+  // K's chunk and V's (narrower where v_head_size < head_size).
+  const RowChunk chunks[2] = {row_chunk(p.head_size, col, 1), row_chunk(p.v_head_size, col, 1)};
   // Every chunk of the tile's rows into a 128-byte-swizzled [kBlockN][128] buffer.
   auto copy_rows = [&](uint32_t dst0, const char* head, const int64_t* table, int pick) {
     if (col >= kChunks) return;
+    const RowChunk chunk = chunks[pick];
 #pragma unroll 4
     for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
       const int row = r0 + i * kRowsPerPass;
@@ -189,7 +191,7 @@ __device__ __forceinline__ void produce_fp8(const AttnParams& p, unsigned char* 
   const int ct = int(threadIdx.x);
   const int col = ct % kLanes, r0 = ct / kLanes;
   const bool copies = col < kRaw;
-  const RowChunk chunk = row_chunk(p, col, 1);
+  const RowChunk chunks[2] = {row_chunk(p.head_size, col, 1), row_chunk(p.v_head_size, col, 1)};
   // Widened, the chunk is 16-bit chunks 2 col and 2 col + 1 of the row: one panel.
   const int c16 = 2 * col;
   const uint32_t panel_at = (c16 >> 3) * lay.kv_panel;
@@ -201,6 +203,7 @@ __device__ __forceinline__ void produce_fp8(const AttnParams& p, unsigned char* 
     // The row offsets through the shared window (a generic load each cost an address
     // conversion and a longer latency [ncu]).
     const uint32_t tab = sm80::smem_addr(table) + (2 * r0 + which) * 8;
+    const RowChunk chunk = chunks[which];  // which: 0 K, 1 V
     const char* const src = head + chunk.offset;
 #pragma unroll 4
     for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
