@@ -147,6 +147,10 @@ class Backend {
   /// (pagedattn/mla_device_ops.h), owned by the backend. Default: none (nullptr), and an
   /// MLAAttention layer on this backend then takes host tensors only.
   virtual const MLADeviceOps* mla_device_ops() const { return nullptr; }
+  /// Optional: one line on which of its kernel families serves `device` and why (for example
+  /// the cuda backend's Hopper or portable kernels by compute capability), for `pagedattn
+  /// backends`. Default: empty (one family everywhere).
+  virtual std::string device_info(Device device) const;
 };
 
 }  // namespace pagedattn

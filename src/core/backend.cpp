@@ -26,6 +26,10 @@ std::unique_ptr<Backend> Backend::configured(const std::vector<std::string>& set
        "'");
 }
 
+std::string Backend::device_info(Device) const {
+  return {};
+}
+
 void Backend::merge_states(const MergeArgs&) const {
   fail<NotSupported>("backend '", name(), "' does not implement merge_states");
 }

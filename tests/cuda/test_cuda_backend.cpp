@@ -21,6 +21,7 @@
 #include "cuda/backend/cuda_backend.h"
 #include "cuda/backend/plan.h"
 #include "cuda/backend/q_map.h"
+#include "cuda/common/device_props.h"
 #include "cuda/decode/launch.h"
 #include "cuda/mla/launch.h"
 #include "cuda/prefill/launch.h"
@@ -305,6 +306,29 @@ TEST(CudaBackendHost, QueryMapTakesWholeBoxesOfAlignedRows) {
 // Options by name (Registry::configure's parser): every word and integer each one takes, the
 // values spelled back as they were set, and errors that name the option, the value and what is
 // allowed, leaving the options unchanged.
+// Which devices run the Hopper code: 9.0 alone, and only where the build has it; the portable
+// kernels serve the rest from Ampere on. The prefill table follows: without Hopper code (or
+// asked for "8"), the portable kernel; with it, on 9.0, the wgmma one.
+TEST(CudaBackendHost, HopperCodeRunsOnComputeCapability90WhereCompiled) {
+  EXPECT_TRUE(cuda::runs_hopper_code(9, 0, true));
+  EXPECT_FALSE(cuda::runs_hopper_code(9, 0, false));
+  EXPECT_FALSE(cuda::runs_hopper_code(8, 0, true));
+  EXPECT_FALSE(cuda::runs_hopper_code(8, 9, true));
+  EXPECT_FALSE(cuda::runs_hopper_code(10, 0, true));
+  EXPECT_FALSE(cuda::runs_hopper_code(12, 0, true));
+  EXPECT_EQ(cuda::kMinCcMajor, 8);
+  const cuda::prefill::PrefillKernel* portable =
+      cuda::prefill::find_prefill(DType::kBF16, DType::kBF16, 128, 8, false, false);
+  ASSERT_NE(portable, nullptr);
+  EXPECT_EQ(portable->sm, 80);
+  const cuda::prefill::PrefillKernel* hopper =
+      cuda::prefill::find_prefill(DType::kBF16, DType::kBF16, 128, 9, false, false);
+  ASSERT_NE(hopper, nullptr);
+  EXPECT_EQ(hopper->sm, cuda::hopper_code_compiled() ? 90 : 80);
+  // The MLA latent kernels are Hopper code: compiled exactly where it is.
+  EXPECT_EQ(cuda::mla::mla_kernels().empty(), !cuda::hopper_code_compiled());
+}
+
 TEST(CudaBackendHost, OptionsByName) {
   const cuda::BackendOptions d;
   EXPECT_EQ(d.prefill_persistent, cuda::kPrefillPersistent);
@@ -334,6 +358,8 @@ TEST(CudaBackendHost, OptionsByName) {
   EXPECT_EQ(with({"prefill_pair_group=auto"}).prefill_pair_group, 0);
   EXPECT_FALSE(with({"prefill_walk=static"}).prefill_dynamic);
   EXPECT_FALSE(with({"prefill_copy=cp.async"}).prefill_tma);
+  EXPECT_TRUE(with({"kernels=portable"}).portable);
+  EXPECT_FALSE(with({"kernels=portable", "kernels=auto"}).portable);
   EXPECT_EQ(with({"prefill=all"}).prefill, cuda::PrefillRoute::kAll);
   EXPECT_EQ(with({"prefill=off"}).prefill, cuda::PrefillRoute::kOff);
   EXPECT_TRUE(with({"prefill_kernel=portable"}).portable_prefill);

@@ -87,6 +87,11 @@ void run_backends(const BackendsOptions& o) {
       c.head_size, o.kv_cache_dtype.c_str(), o.layout.c_str(), c.block_size,
       to_string(query.device).c_str());
   std::printf("%s", format_verdicts(registry.explain(query)).c_str());
+  for (const Backend* b : registry.backends()) {
+    const std::string info = b->device_info(query.device);
+    if (!info.empty())
+      std::printf("%s kernels: %s\n", std::string(b->name()).c_str(), info.c_str());
+  }
   try {
     const Backend& chosen = registry.select(query);
     std::printf("selected: %s\n", std::string(chosen.name()).c_str());

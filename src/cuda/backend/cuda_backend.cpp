@@ -64,6 +64,7 @@ class CudaBackend final : public Backend {
   std::vector<std::string> check(const BackendQuery& q) const override {
     std::vector<std::string> reasons;
     const AttentionConfig& c = q.config;
+    bool hopper = false;  // the device runs the Hopper code (hopper_route)
     if (!q.device.is_cuda()) {
       reasons.push_back(cat("runs on CUDA devices only; the tensors are on ", to_string(q.device)));
     } else if (const int n = visible_device_count(); n == 0) {
@@ -73,11 +74,12 @@ class CudaBackend final : public Backend {
       reasons.push_back(cat(to_string(q.device), " is past the ", n, " visible CUDA device(s)"));
     } else {
       const DeviceProps& d = device_props(q.device.index);
-      if (d.cc_major != 9 || d.cc_minor != 0) {
-        reasons.push_back(cat("kernels are compiled for sm_90a (Hopper) only; ",
+      if (d.cc_major < kMinCcMajor) {
+        reasons.push_back(cat("the kernels need compute capability 8.0 or later (Ampere on); ",
                               to_string(q.device), " (", d.name, ") is compute capability ",
                               d.cc_major, ".", d.cc_minor));
       }
+      hopper = hopper_route(q.device.index, options_);
     }
     if (!is_activation_dtype(c.dtype)) {
       reasons.push_back(cat("dtype ", dtype_name(c.dtype), " is not float32, float16 or bfloat16"));
@@ -110,6 +112,13 @@ class CudaBackend final : public Backend {
                             "size"));
     }
     if (is_mla_shape(c)) {
+      if (!hopper && q.device.is_cuda() && q.device.index >= 0 &&
+          q.device.index < visible_device_count()) {
+        reasons.push_back(
+            cat("head_size 576 runs on the MLA latent kernel, which is Hopper code "
+                "(wgmma); ",
+                device_family(q.device.index, options_)));
+      }
       for (std::string& r : mla_reasons(c)) reasons.push_back(std::move(r));
       if (c.query_quant) {
         reasons.push_back(
@@ -148,6 +157,11 @@ class CudaBackend final : public Backend {
 
   const MLADeviceOps* mla_device_ops() const override { return &mla::device_ops(); }
 
+  std::string device_info(Device device) const override {
+    if (!device.is_cuda() || device.index < 0 || device.index >= visible_device_count()) return {};
+    return device_family(device.index, options_);
+  }
+
   std::unique_ptr<Plan> plan(const AttentionMetadata& md,
                              const AttentionConfig& config) const override {
     const bool cached = uses_kv_cache(config.attn_type);
@@ -181,8 +195,8 @@ class CudaBackend final : public Backend {
           options_.prefill == PrefillRoute::kOff
               ? nullptr
               : prefill::find_prefill(config.dtype, cache, config.head_size,
-                                      device_props(device).cc_major, options_.portable_prefill,
-                                      config.query_quant);
+                                      hopper_route(device, options_) ? 9 : 8,
+                                      options_.portable_prefill, config.query_quant);
       const int route = pk == nullptr                            ? -1
                         : options_.prefill == PrefillRoute::kAll ? 0
                                                                  : prefill::kDecodeMaxRows;

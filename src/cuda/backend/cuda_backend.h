@@ -102,7 +102,16 @@ struct BackendOptions {
   /// a reason, as every build did before the kernels took it: the path has not yet run on a GPU
   /// (bench/gpu/head_sizes.sh runs backend_ops' v_head cases with it on).
   bool v_head = false;
+  /// The portable kernels on every device, Hopper too (no bulk copies, TMA, wgmma prefill or MLA
+  /// latent kernel): what Ampere, Ada and later GPUs run, forced for tests and comparisons.
+  bool portable = false;
 };
+
+/// Whether `device` runs the Hopper code under `options`: the build has it, the device is
+/// compute capability 9.0 and the option kernels=portable is off.
+bool hopper_route(int device, const BackendOptions& options);
+/// One line: which kernel family serves `device` under `options`, and why (`pagedattn backends`).
+std::string device_family(int device, const BackendOptions& options);
 
 /// The defaults with the user's environment: checked mode from PAGEDATTN_CHECKED, the split
 /// count from PAGEDATTN_CUDA_SPLITS (throws InvalidArgument naming the variable for a bad value).

@@ -8,6 +8,8 @@
 #include "core/option_table.h"
 #include "cuda/attn_common/config.h"
 #include "cuda/backend/cuda_backend.h"
+#include "cuda/common/device_props.h"
+#include "pagedattn/error.h"
 
 namespace pagedattn::cuda {
 
@@ -105,6 +107,13 @@ const std::vector<Field>& option_table() {
         {{"off", 0}, {"on", 1}}},
        [](const BackendOptions& o) { return int(o.v_head); },
        [](BackendOptions& o, int v) { o.v_head = v != 0; }},
+      {{"kernels",
+        "auto (the Hopper kernels on compute capability 9.0 where compiled, the portable ones "
+        "elsewhere) or portable (the portable kernels everywhere: what Ampere, Ada and later "
+        "GPUs run; tests, comparisons)",
+        {{"auto", 0}, {"portable", 1}}},
+       [](const BackendOptions& o) { return int(o.portable); },
+       [](BackendOptions& o, int v) { o.portable = v != 0; }},
       {{"prefill_walk",
         "persistent Hopper prefill: auto (an atomic counter where the dynamic walk pays, else "
         "the static snake) or static (the snake always; tests)",
@@ -136,6 +145,33 @@ BackendOptions apply_settings(const BackendOptions& options,
 
 std::vector<BackendOptionInfo> describe_options(const BackendOptions& options) {
   return detail::describe_options(option_table(), options);
+}
+
+bool hopper_route(int device, const BackendOptions& options) {
+  const DeviceProps& d = device_props(device);
+  return !options.portable && runs_hopper_code(d.cc_major, d.cc_minor, hopper_code_compiled());
+}
+
+std::string device_family(int device, const BackendOptions& options) {
+  const DeviceProps& d = device_props(device);
+  const std::string what = detail::cat("cuda:", device, " (", d.name, ", compute capability ",
+                                       d.cc_major, ".", d.cc_minor, "): ");
+  if (d.cc_major < kMinCcMajor) {
+    return what + "not served (the kernels need compute capability 8.0 or later)";
+  }
+  if (hopper_route(device, options)) {
+    return what +
+           "Hopper kernels (sm_90a: wgmma prefill with TMA, decode with bulk copies, the "
+           "MLA latent kernel, fp8 products)";
+  }
+  std::string why = options.portable ? "the option kernels=portable"
+                    : d.cc_major == 9 && d.cc_minor == 0
+                        ? "this build has no sm_90a code (PAGEDATTN_CUDA_ARCHS without 90a)"
+                        : "the Hopper kernels are sm_90a code";
+  return what +
+         "portable kernels (mma.sync prefill and decode with cp.async; fp8 caches widened "
+         "by conversion; no MLA latent kernel) because of " +
+         why;
 }
 
 }  // namespace pagedattn::cuda

@@ -58,9 +58,10 @@ void require_on(const TensorView& v, Device device, std::string_view name) {
           to_string(device), " and reads it there");
 }
 
-// Bulk copies need sm_90; auto takes them for rows long enough to gain (kBulkMinRowBytes).
-bool use_bulk_copy(const AttentionConfig& config, DecodeCopy copy, int cc_major) {
-  if (cc_major < 9 || copy == DecodeCopy::kCpAsync) return false;
+// Bulk copies are Hopper code (compiled out of the portable targets); auto takes them for rows
+// long enough to gain (kBulkMinRowBytes).
+bool use_bulk_copy(const AttentionConfig& config, DecodeCopy copy, bool hopper) {
+  if (!hopper || copy == DecodeCopy::kCpAsync) return false;
   const DType rows = uses_kv_cache(config.attn_type) ? config.cache_dtype() : config.dtype;
   return copy == DecodeCopy::kBulk ||
          int64_t(config.head_size) * int64_t(dtype_size(rows)) >= kBulkMinRowBytes;
@@ -74,7 +75,8 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
       checked_(options.checked),
       head_scales_(options.head_scales),
       route_(options.prefill),
-      bulk_copy_(use_bulk_copy(config, options.decode_copy, device_props(device.index).cc_major)),
+      bulk_copy_(use_bulk_copy(config, options.decode_copy,
+                               device.is_cuda() && hopper_route(device.index, options))),
       prefill_tma_(options.prefill_tma),
       prefill_persistent_(options.prefill_persistent),
       prefill_pair_group_(options.prefill_pair_group) {
@@ -83,6 +85,10 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
   const bool cached = uses_kv_cache(config.attn_type);
   cache_dtype_ = cached ? config.cache_dtype() : config.dtype;
   if (is_mla_shape(config)) {
+    require<NotSupported>(hopper_route(device.index, options),
+                          "cuda backend: head_size 576 runs on the MLA latent kernel, which is "
+                          "Hopper code (wgmma); ",
+                          device_family(device.index, options));
     const std::vector<std::string> reasons = mla_reasons(config);
     if (!reasons.empty()) {
       std::string all;
@@ -95,7 +101,7 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
         "cuda backend: the MLA kernel (mla_consumer=", mla::consumer_name(options.mla_consumer),
         ") is not compiled for ", dtype_name(config.dtype), " over ", dtype_name(cache_dtype_),
         options.mla_consumer == mla::Consumer::kSeesaw ? " (the seesaw needs a 16-bit cache)" : "");
-    mla_tma_ = device_props(device.index).cc_major >= 9 && options.mla_copy != MlaCopy::kCpAsync;
+    mla_tma_ = options.mla_copy != MlaCopy::kCpAsync;  // the Hopper route (required above)
     // The seesaw, swap AB and split-S's first instance write the 512 latent columns only; a
     // wider output (the generic contract's 576) takes split-S's 576-column instance under auto
     // or split-s (none under the seesaw or swap AB: refused).
@@ -131,8 +137,8 @@ CudaImpl::CudaImpl(const AttentionConfig& config, Device device, const BackendOp
     // A quantised query over an e4m3 cache takes the fp8-product Hopper kernel where one is
     // compiled; otherwise the 16-bit kernels read the quantised query.
     prefill_ = prefill::find_prefill(config.dtype, cache_dtype_, config.head_size,
-                                     device_props(device.index).cc_major, options.portable_prefill,
-                                     config.query_quant);
+                                     hopper_route(device.index, options) ? 9 : 8,
+                                     options.portable_prefill, config.query_quant);
   }
   require<NotSupported>(decode_ != nullptr && combine_ != nullptr,
                         "cuda backend: no attention kernel compiled for ", dtype_name(config.dtype),

@@ -5,10 +5,19 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 #include "cuda/common/check.h"
 
 namespace pagedattn::cuda {
+
+bool hopper_code_compiled() {
+#if PAGEDATTN_CUDA_HOPPER
+  return true;
+#else
+  return false;
+#endif
+}
 
 int visible_device_count() {
   int n = 0;
@@ -53,6 +62,18 @@ ScopedDevice::ScopedDevice(int index) : index_(index) {
 
 ScopedDevice::~ScopedDevice() {
   if (previous_ != index_) cudaSetDevice(previous_);
+}
+
+bool kernel_has_pdl(const void* kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, bool> cache;
+  const int device = current_device();
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(kernel, device);
+  if (const auto it = cache.find(key); it != cache.end()) return it->second;
+  cudaFuncAttributes a{};
+  PAGEDATTN_CUDA_CHECK(cudaFuncGetAttributes(&a, kernel));
+  return cache[key] = a.ptxVersion >= 90;
 }
 
 }  // namespace pagedattn::cuda

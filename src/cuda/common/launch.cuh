@@ -7,6 +7,7 @@
 #include <cstddef>
 
 #include "cuda/common/check.h"
+#include "cuda/common/device_props.h"
 
 namespace pagedattn::cuda {
 
@@ -30,7 +31,10 @@ inline void launch_with_pdl(void (*kernel)(Params), dim3 grid, dim3 block, int s
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
   unsigned n = 0;
-  if (pdl) {
+  // Code compiled below sm_90 (sm_80 machine code, or compute_80 PTX loaded on a later GPU)
+  // has no griddepcontrol.wait: launched with the attribute it could read its producer's
+  // output early, so it is launched plainly.
+  if (pdl && kernel_has_pdl(reinterpret_cast<const void*>(kernel))) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
   }

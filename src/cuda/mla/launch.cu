@@ -6,6 +6,7 @@ namespace pagedattn::cuda::mla {
 
 const std::vector<MlaKernel>& mla_kernels() {
   static const std::vector<MlaKernel> table = {
+#if PAGEDATTN_CUDA_HOPPER
 #define PAGEDATTN_MLA_INSTANCE(act, kv, c, cols)                       \
   {DType::act,                                                         \
    KVKind::kv,                                                         \
@@ -15,6 +16,9 @@ const std::vector<MlaKernel>& mla_kernels() {
    Traits<DType::act, KVKind::kv, Consumer::c, cols>::kClusterMerge,   \
    &MlaOps<Traits<DType::act, KVKind::kv, Consumer::c, cols>>::launch, \
    &MlaOps<Traits<DType::act, KVKind::kv, Consumer::c, cols>>::ctas_per_sm},
+#else  // wgmma kernels: compiled only with 90a in PAGEDATTN_CUDA_ARCHS
+#define PAGEDATTN_MLA_INSTANCE(act, kv, c, cols)
+#endif
 #define PAGEDATTN_MLA_COMBINE_INSTANCE(act)
 #include "cuda/mla/inst/instances.inc"
 #undef PAGEDATTN_MLA_INSTANCE

@@ -17,6 +17,7 @@ const std::vector<PrefillKernel>& prefill_kernels() {
    0,                                                              \
    &PrefillOps<Traits<DType::act, KVKind::kv, head_size>>::launch, \
    &PrefillOps<Traits<DType::act, KVKind::kv, head_size>>::ctas_per_sm},
+#if PAGEDATTN_CUDA_HOPPER
 #define PAGEDATTN_PREFILL_SM90_INSTANCE(act, kv, head_size)                \
   {DType::act,                                                             \
    KVKind::kv,                                                             \
@@ -39,6 +40,10 @@ const std::vector<PrefillKernel>& prefill_kernels() {
    0,                                                                              \
    &PrefillSm90Ops<Sm90Traits<DType::act, KVKind::kFp8, head_size, true>>::launch, \
    &PrefillSm90Ops<Sm90Traits<DType::act, KVKind::kFp8, head_size, true>>::ctas_per_sm},
+#else  // the Hopper instances are not compiled (PAGEDATTN_CUDA_ARCHS without 90a)
+#define PAGEDATTN_PREFILL_SM90_INSTANCE(act, kv, head_size)
+#define PAGEDATTN_PREFILL_SM90_FP8_INSTANCE(act, head_size)
+#endif
 #include "cuda/prefill/inst/instances.inc"
 #undef PAGEDATTN_PREFILL_INSTANCE
 #undef PAGEDATTN_PREFILL_SM90_INSTANCE

@@ -113,7 +113,13 @@ template <bool kBF16>
 __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
   uint32_t d;
   if constexpr (kBF16) {
+#if __CUDA_ARCH__ >= 900
     asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+#else
+    // mul.bf16x2 is sm_90's; a fused multiply-add of -0 rounds the same product once (and
+    // keeps a zero product's sign, as the multiply does).
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+#endif
   } else {
     asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
   }
@@ -122,14 +128,20 @@ __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
 
 /// Programmatic dependent launch (sm_90): blocks until the grids this one depends on have
 /// completed and their memory is visible; a no-op for a grid launched without the attribute.
+/// Compiled out below sm_90, where grids of a stream never overlap (the host launches without
+/// the attribute there: launch_with_pdl).
 __device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 /// Lets the next grid of the stream (launched with the programmatic-serialization attribute)
 /// be scheduled before this one ends; its griddepcontrol.wait still waits for our completion.
 __device__ __forceinline__ void launch_dependent_grids() {
+#if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 }  // namespace pagedattn::cuda::sm80
