@@ -1,7 +1,6 @@
 #include "cpu/cpu_backend.h"
 
-#include <omp.h>
-
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -14,6 +13,7 @@
 #include "cpu/cpu_bf16_dot.h"
 #include "cpu/cpu_kernels.h"
 #include "cpu/cpu_plan.h"
+#include "cpu/thread_pool.h"
 #include "pagedattn/error.h"
 
 namespace pagedattn::cpu {
@@ -110,6 +110,13 @@ AttentionParams make_params(const AttentionConfig& c, const ForwardArgs& a) {
   return p;
 }
 
+// How this backend's loops run: its thread count, at most OpenMP's (the CPUs this process may
+// use, or OMP_NUM_THREADS: tests plan for 8 threads and run one), and the pool's spin.
+Parallelism parallelism(const BackendOptions& o) {
+  const int cap = default_threads();
+  return Parallelism{o.threads > 0 ? std::min(o.threads, cap) : cap, o.spin_us};
+}
+
 class CpuImpl final : public AttentionImpl {
  public:
   CpuImpl(const AttentionConfig& config, const BackendOptions& options)
@@ -123,10 +130,10 @@ class CpuImpl final : public AttentionImpl {
     const int dv = c.head_size_v();
     const auto* slots = static_cast<const int64_t*>(a.slot_mapping.data);
     const size_t in_elem = dtype_size(a.key.dtype), cache_elem = dtype_size(c.key.dtype);
-#pragma omp parallel for schedule(static) if (num_slots * heads * d > (1 << 16))
-    for (int64_t t = 0; t < num_slots; ++t) {
+    const bool big = num_slots * heads * d > (1 << 16);
+    parallel_for(num_slots, big ? parallelism(options_) : Parallelism{}, [&](int64_t t) {
       const int64_t slot = slots[t * a.slot_mapping.stride(0)];
-      if (slot < 0) continue;  // padded token
+      if (slot < 0) return;  // padded token
       const int64_t block = slot / bs, offset = slot % bs;
       for (int h = 0; h < heads; ++h) {
         const auto* ks =
@@ -144,7 +151,7 @@ class CpuImpl final : public AttentionImpl {
         convert_row(vs, a.value.dtype, vd, c.value.dtype, dv,
                     fp8 ? a.scales.v_scale_of(0, h, heads) : 1.0f);
       }
-    }
+    });
   }
 
   void forward(const ForwardArgs& a) override {
@@ -166,14 +173,13 @@ class CpuImpl final : public AttentionImpl {
     const int64_t slots = int64_t(plan->num_partials) * plan->rows_stride;
     const PartialBuffers partials{scratch, scratch + slots * config_.head_size, plan->rows_stride};
     const int64_t n = int64_t(plan->items.size());
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) attend_item(p, plan->items[size_t(i)], partials);
+    const Parallelism how = parallelism(options_);
+    parallel_for(n, how, [&](int64_t i) { attend_item(p, plan->items[size_t(i)], partials); });
     const int64_t groups = int64_t(plan->split_groups.size());
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t g = 0; g < groups; ++g) {
+    parallel_for(groups, how, [&](int64_t g) {
       const SplitGroup& sg = plan->split_groups[size_t(g)];
       merge_splits(p, sg.whole, sg.first_split, sg.num_splits, partials);
-    }
+    });
   }
 
  private:
@@ -187,13 +193,22 @@ constexpr std::string_view kSource = "cpu backend";
 const OptionTable& option_table() {
   static const OptionTable table = {
       {{"threads",
-        "threads the plan spreads work and KV splits over (auto: OpenMP's thread count; "
+        "threads the plan spreads work and KV splits over, and a step runs on up to "
+        "OMP_NUM_THREADS, else the CPUs this process may use (auto: that many; "
         "$PAGEDATTN_CPU_THREADS)",
         {{"auto", 0}},
         1,
         4096},
        [](const BackendOptions& o) { return o.threads; },
        [](BackendOptions& o, int v) { o.threads = v; }},
+      {{"spin_us",
+        "microseconds an idle thread spins for the next loop (or a loop's end) before it sleeps: "
+        "short, so that a busy machine's other processes get the cores (0: sleep at once)",
+        {},
+        0,
+        1000000},
+       [](const BackendOptions& o) { return o.spin_us; },
+       [](BackendOptions& o, int v) { o.spin_us = v; }},
   };
   return table;
 }
@@ -252,8 +267,8 @@ void CpuBackend::merge_states(const MergeArgs& a) const {
     return static_cast<char*>(v.data) +
            dtype_size(v.dtype) * size_t(t * v.stride(0) + h * v.stride(1));
   };
-#pragma omp parallel for schedule(static) if (n * heads * d > (1 << 16))
-  for (int64_t t = 0; t < n; ++t) {
+  const bool big = n * heads * d > (1 << 16);
+  parallel_for(n, big ? parallelism(options_) : Parallelism{}, [&](int64_t t) {
     std::vector<float> pv(static_cast<size_t>(d)), sv(static_cast<size_t>(d));
     for (int64_t h = 0; h < heads; ++h) {
       float p = lse_at(a.prefix_lse, h, t), s = lse_at(a.suffix_lse, h, t);
@@ -284,7 +299,7 @@ void CpuBackend::merge_states(const MergeArgs& a) const {
                       h * a.output_lse.stride(0) + t * a.output_lse.stride(1), out_lse);
       }
     }
-  }
+  });
 }
 
 float CpuBackend::amax(const TensorView& x) const {

@@ -54,6 +54,17 @@ def test_cpu_threads_option() -> None:
 
 
 @needs_cpu_backend
+def test_cpu_spin_option() -> None:
+    spin = _options("cpu")["spin_us"]
+    assert spin.value == "50"
+    assert spin.allowed == ["an integer in [0, 1000000]"]
+    assert "sleeps" in spin.help
+    with _configured("cpu", spin_us=0, threads=2):
+        assert _options("cpu")["spin_us"].value == "0"
+    assert _options("cpu")["spin_us"].value == "50"
+
+
+@needs_cpu_backend
 def test_bad_settings_name_the_option_the_value_and_what_is_allowed() -> None:
     before = _options("cpu")["threads"].value
     with pytest.raises(pa.InvalidArgument, match=r"option 'threads': '0' is not auto or an "

@@ -16,6 +16,7 @@
 #include "pagedattn/dtype.h"
 #include "pagedattn/error.h"
 #include "pagedattn/mla.h"
+#include "pagedattn/registry.h"
 #include "sim/presets.h"
 #include "sim/report.h"
 #include "sim/simulation.h"
@@ -33,6 +34,7 @@ struct RunOptions {
   std::string device = "cpu";
   std::string role = "both";
   int64_t max_model_len = 0;
+  int threads = 0;
   bool no_prefix_caching = false;
   bool no_bandwidth = false;
   bool json = false;
@@ -82,6 +84,11 @@ void run(RunOptions& o) {
   s.enable_prefix_caching = !o.no_prefix_caching;
   s.measure_bandwidth = !o.no_bandwidth;
   s.role = parse_kv_transfer_role(o.role);
+  if (o.threads > 0) {
+    detail::require(default_registry().find("cpu") != nullptr,
+                    "--threads sets the cpu backend's threads; this build has no cpu backend");
+    default_registry().configure("cpu", {"threads=" + std::to_string(o.threads)});
+  }
   s.log = &std::cerr;
   const bool progress = !o.quiet && isatty(fileno(stderr));
   if (progress) s.on_progress = draw_progress;
@@ -115,6 +122,10 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--device", o->device,
                   "cpu | cuda | cuda:N: where caches, activations and metadata live")
       ->capture_default_str();
+  cmd->add_option("--threads", o->threads,
+                  "cpu backend threads (default: $PAGEDATTN_CPU_THREADS, else OMP_NUM_THREADS, "
+                  "else the CPUs this process may use)")
+      ->check(CLI::Range(1, 4096));
   cmd->add_option("--dtype", o->dtype, "activations: bfloat16 | float16 | float32")
       ->capture_default_str();
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype,
