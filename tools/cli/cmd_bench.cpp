@@ -43,6 +43,7 @@ double seconds_since(Clock::time_point t0) {
 }
 
 double median(std::vector<double> v) {
+  detail::require(!v.empty(), "bench: no timed runs to take a median of");
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
@@ -295,9 +296,11 @@ void add_bench_command(CLI::App& app) {
   cmd->add_flag("--json", o->json, "print the results as JSON");
   cmd->add_flag("--quick", o->quick, "a small subset of the grid");
   cmd->add_option("--repeats", o->repeats, "timed repeats per point (median)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(1, 10000));
   cmd->add_option("--max-gib", o->max_gib, "skip decode points whose cache exceeds this")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--only", o->only, "decode | prefill");
   cmd->add_option("--out", o->out, "also write the JSON to this file");
   cmd->add_option("--commit", o->commit, "commit id recorded in the JSON");
