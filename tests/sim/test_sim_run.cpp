@@ -61,6 +61,11 @@ TEST(SimRun, TinyPresetEveryStepMatchesTheReference) {
   EXPECT_EQ(j["kv_cache"]["groups"].size(), 2u);
   const std::string text = format_report(r);
   EXPECT_NE(text.find("all passed"), std::string::npos) << text;
+  // Lengths from 1000 on print whole (2048, not 2.05e+03).
+  SimReport wide = r;
+  wide.workload.prompt_len_median = 2048;
+  EXPECT_NE(format_report(wide).find("medians prompt 2048,"), std::string::npos)
+      << format_report(wide);
 }
 
 TEST(SimRun, EveryTokenIsComputedOnceWithoutPreemption) {

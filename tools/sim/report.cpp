@@ -1,5 +1,6 @@
 #include "sim/report.h"
 
+#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -17,6 +18,14 @@ std::string fixed(double value, int digits) {
 std::string general(double value) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.3g", value);
+  return buf;
+}
+
+// A length or rate as people write it: whole numbers from 1000 on (2048, not 2.05e+03), three
+// significant digits below.
+std::string plain(double value) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, std::fabs(value) >= 1000 ? "%.0f" : "%.3g", value);
   return buf;
 }
 
@@ -114,11 +123,11 @@ std::string format_report(const SimReport& r) {
   line("workload", std::to_string(r.num_requests) + " requests (seed " + std::to_string(w.seed) +
                        "), " + std::to_string(r.workload_prompt_tokens) + " prompt + " +
                        std::to_string(r.workload_output_tokens) +
-                       " output tokens; medians prompt " + general(w.prompt_len_median) +
-                       ", output " + general(w.output_len_median) + "; " +
+                       " output tokens; medians prompt " + plain(w.prompt_len_median) +
+                       ", output " + plain(w.output_len_median) + "; " +
                        fixed(100 * w.shared_prefix_fraction, 0) + "% share " +
                        std::to_string(w.num_shared_prefixes) + " system prompts; " +
-                       (w.arrival_rate > 0 ? general(w.arrival_rate) + " arrivals/step"
+                       (w.arrival_rate > 0 ? plain(w.arrival_rate) + " arrivals/step"
                                            : std::string("all arrive at once")));
   line("requests", std::to_string(r.finished_requests) + " of " + std::to_string(r.num_requests) +
                        " finished in " + std::to_string(r.steps) + " steps (" +
