@@ -16,6 +16,7 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -130,7 +131,7 @@ class RedisStore final : public BlockStore {
       bool counting = true, refused = false;
       for (size_t i = 0; i < hashes.size(); ++i) {
         void* raw = nullptr;
-        if (redisGetReply(c, &raw) != REDIS_OK) return kLost;
+        if (!reply_by_deadline(c, &raw)) return kLost;
         const Reply r(static_cast<redisReply*>(raw));
         if (r->type != REDIS_REPLY_INTEGER) {
           note_reply_error("EXISTS", r.get());
@@ -150,8 +151,10 @@ class RedisStore final : public BlockStore {
     OpenStatus status = OpenStatus::kUnavailable;
     run([&](redisContext* c) {
       const std::string k = key(hash);
-      Reply r(static_cast<redisReply*>(redisCommand(c, "GET %b", k.data(), k.size())));
-      if (!r) return kLost;
+      if (redisAppendCommand(c, "GET %b", k.data(), k.size()) != REDIS_OK) return kLost;
+      void* raw = nullptr;
+      if (!reply_by_deadline(c, &raw)) return kLost;
+      Reply r(static_cast<redisReply*>(raw));
       if (r->type == REDIS_REPLY_NIL) {
         status = OpenStatus::kMissing;
       } else if (r->type == REDIS_REPLY_STRING) {
@@ -170,12 +173,15 @@ class RedisStore final : public BlockStore {
     bool stored = false;
     const bool ok = run([&](redisContext* c) {
       const std::string k = key(hash);
-      Reply r(static_cast<redisReply*>(
+      const int appended =
           o_.ttl_s > 0
-              ? redisCommand(c, "SET %b %b EX %lld", k.data(), k.size(), bytes.data(), bytes.size(),
-                             static_cast<long long>(o_.ttl_s))
-              : redisCommand(c, "SET %b %b", k.data(), k.size(), bytes.data(), bytes.size())));
-      if (!r) return kLost;
+              ? redisAppendCommand(c, "SET %b %b EX %lld", k.data(), k.size(), bytes.data(),
+                                   bytes.size(), static_cast<long long>(o_.ttl_s))
+              : redisAppendCommand(c, "SET %b %b", k.data(), k.size(), bytes.data(), bytes.size());
+      if (appended != REDIS_OK) return kLost;
+      void* raw = nullptr;
+      if (!reply_by_deadline(c, &raw)) return kLost;
+      Reply r(static_cast<redisReply*>(raw));
       stored = r->type == REDIS_REPLY_STATUS && std::strcmp(r->str, "OK") == 0;
       if (!stored) {
         last_error_ = cat("SET answered ", reply_text(r.get()));
@@ -201,6 +207,39 @@ class RedisStore final : public BlockStore {
   }
 
   std::string key(uint64_t hash) const { return o_.key_prefix + hex64(hash); }
+
+  // The next reply of the operation under way, by its deadline (run() sets it timeout_ms after
+  // the operation starts): the queued commands are written, then each read waits only for
+  // what is left. hiredis's own blocking reads each wait up to the socket timeout, so a server
+  // trickling its reply held a command for as long as it trickled. False: the connection
+  // failed or the deadline passed (timed_out_), and the connection is dropped.
+  bool reply_by_deadline(redisContext* c, void** out) {
+    *out = nullptr;
+    int written = 0;
+    while (!written) {
+      if (redisBufferWrite(c, &written) != REDIS_OK) return io_failed(c);
+    }
+    for (;;) {
+      if (redisGetReplyFromReader(c, out) != REDIS_OK) return false;
+      if (*out != nullptr) return true;
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now());
+      if (left.count() <= 0) {
+        timed_out_ = true;
+        return false;
+      }
+      if (redisSetTimeout(c, to_timeval(int(left.count()))) != REDIS_OK) return false;
+      if (redisBufferRead(c) != REDIS_OK) return io_failed(c);
+    }
+  }
+  // A socket timeout surfaces as an I/O error whose text is EAGAIN's ("Resource temporarily
+  // unavailable"): recorded as the time-out it is.
+  bool io_failed(const redisContext* c) {
+    if (c->err == REDIS_ERR_IO && std::strcmp(c->errstr, std::strerror(EAGAIN)) == 0) {
+      timed_out_ = true;
+    }
+    return false;
+  }
 
   void warn(const std::string& message) {
     // One message per transition to "down", not one per operation.
@@ -264,15 +303,26 @@ class RedisStore final : public BlockStore {
         if (!connect()) return false;
         fresh = true;
       }
+      timed_out_ = false;
+      deadline_ = Clock::now() + std::chrono::milliseconds(o_.timeout_ms);
+      redisSetTimeout(ctx_, to_timeval(o_.timeout_ms));  // the writes' bound (reads: the deadline)
       const Outcome outcome = op(ctx_);
       if (outcome == kDone) return true;
       if (outcome == kRefused) {
         warn(cat("redis ", o_.host, ":", o_.port, ": ", last_error_));
         return false;
       }
-      last_error_ = cat("redis ", o_.host, ":", o_.port, ": ", ctx_->errstr);
+      last_error_ = timed_out_ ? cat("redis ", o_.host, ":", o_.port,
+                                     ": timed out: no whole reply "
+                                     "within timeout_ms=",
+                                     o_.timeout_ms)
+                               : cat("redis ", o_.host, ":", o_.port, ": ", ctx_->errstr);
       redisFree(ctx_);
       ctx_ = nullptr;
+      if (timed_out_) {  // the deadline is the operation's: no second attempt
+        warn(last_error_);
+        return false;
+      }
       if (fresh) {
         warn(last_error_ + "; lookups miss and transfers fail until it is back");
         retry_after_ = Clock::now() + std::chrono::milliseconds(o_.retry_ms);
@@ -285,6 +335,8 @@ class RedisStore final : public BlockStore {
   RedisOptions o_;
   redisContext* ctx_ = nullptr;
   Clock::time_point retry_after_{};
+  Clock::time_point deadline_{};  // of the operation under way (run)
+  bool timed_out_ = false;        // it passed its deadline
   bool down_ = false;
   std::string last_error_;
 };

@@ -3,11 +3,21 @@
 // lookup and load, a restarted server, a frozen server (timeouts), corrupted values, and no
 // server at all. Every failure becomes misses, load errors and counters, never an exception
 // or a partial block in a cache. Skips only when redis-server is not installed.
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "connector/kv_entry.h"
 #include "connector_test_util.h"
@@ -234,6 +244,88 @@ TEST(RedisConnector, CorruptedValuesAreRejected) {
   EXPECT_EQ(worker->stats().rejected_blocks, 3);
   const std::vector<uint8_t> poison(size_t(2 * 4 * 2 * 8 * 2), kPoison);
   for (int l = 0; l < 3; ++l) EXPECT_EQ(target.block(l, 9), poison);
+}
+
+// A server on a loopback port that answers each connection's first command with a bulk
+// string of 100000 bytes it trickles one byte per 20 ms: every read of the client finds a byte
+// within any socket timeout, so only a deadline for the whole command ends the wait.
+class TricklingServer {
+ public:
+  TricklingServer() {
+    listener_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    if (bind(listener_, reinterpret_cast<sockaddr*>(&a), len) != 0 || listen(listener_, 8) != 0 ||
+        getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      ADD_FAILURE() << "cannot listen on a loopback port";
+    }
+    port_ = ntohs(a.sin_port);
+    accepter_ = std::thread([this] { accept_loop(); });
+  }
+  ~TricklingServer() {
+    stop_ = true;
+    accepter_.join();
+    for (std::thread& t : clients_) t.join();
+    close(listener_);
+  }
+  int port() const { return port_; }
+
+ private:
+  void accept_loop() {
+    while (!stop_) {
+      pollfd p{listener_, POLLIN, 0};
+      if (poll(&p, 1, 20) <= 0) continue;
+      const int fd = accept(listener_, nullptr, nullptr);
+      if (fd >= 0) clients_.emplace_back([this, fd] { trickle(fd); });
+    }
+  }
+  void trickle(int fd) {
+    char buf[4096];
+    if (recv(fd, buf, sizeof buf, 0) > 0) {
+      const std::string head = "$100000\r\n";
+      bool open = send(fd, head.data(), head.size(), MSG_NOSIGNAL) > 0;
+      for (int i = 0; open && !stop_ && i < 500; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        open = send(fd, "x", 1, MSG_NOSIGNAL) > 0;
+      }
+    }
+    close(fd);
+  }
+  int listener_ = -1, port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread accepter_;
+  std::vector<std::thread> clients_;  // joined by the destructor (the accepter has stopped)
+};
+
+// timeout_ms bounds a whole command: three loads from a trickling server fail in about three
+// timeouts (each read waiting only for what is left of its command's), not for as long as the
+// server trickles (10 s each), and the log says they timed out.
+TEST(RedisConnector, TricklingServerTimesOutByTheWholeCommand) {
+  TricklingServer server;
+  Fixture f;
+  KVConnectorConfig config =
+      f.source.connector_config("redis://127.0.0.1:" + std::to_string(server.port()) +
+                                "?timeout_ms=150&connect_timeout_ms=150&retry_ms=0");
+  std::mutex mu;
+  std::vector<std::string> logs;
+  config.log = [&](std::string_view m) {
+    std::lock_guard<std::mutex> lock(mu);
+    logs.emplace_back(m);
+  };
+  auto worker = make_kv_connector(config, KVConnectorRole::kWorker);
+  Model target(f.shape);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(run_worker_step(target, *worker, f.loads({3, 4, 9})).size(), 3u);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(seconds, 2.5) << "each GET gives up at its deadline";
+  EXPECT_EQ(worker->stats().unavailable_blocks, 3);
+  std::lock_guard<std::mutex> lock(mu);
+  bool said = false;
+  for (const std::string& m : logs) said = said || m.find("timed out") != std::string::npos;
+  EXPECT_TRUE(said) << ::testing::PrintToString(logs);
 }
 
 TEST(RedisConnector, NoServerAtAll) {
