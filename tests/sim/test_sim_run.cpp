@@ -68,6 +68,38 @@ TEST(SimRun, TinyPresetEveryStepMatchesTheReference) {
       << format_report(wide);
 }
 
+// A run with a connector that saved none of what it scheduled fails (the run exits non-zero);
+// a decode whose lookups found nothing warns on the report's last line.
+TEST(SimReportConnector, SavesThatAllFailedFailAndEmptyLoadsWarn) {
+  SimReport r;
+  EXPECT_TRUE(connector_shortfall(r).message.empty());  // no connector
+  r.kv_connector = "storage:/x";
+  r.role = "producer";
+  r.connector.save_scheduled = 10;
+  r.connector.save_errors = 10;
+  ConnectorShortfall s = connector_shortfall(r);
+  EXPECT_TRUE(s.failed);
+  EXPECT_NE(s.message.find("none of the 10 blocks scheduled to save was saved (10 failed"),
+            std::string::npos)
+      << s.message;
+  const std::string text = format_report(r);
+  EXPECT_NE(text.rfind("kv FAILED"), std::string::npos);
+  EXPECT_EQ(text.find('\n', text.rfind("kv FAILED")), text.size() - 1) << "the last line";
+  r.connector.saved_blocks = 1;
+  EXPECT_TRUE(connector_shortfall(r).message.empty());
+  r.role = "consumer";
+  r.connector = {};
+  r.connector.lookup_blocks = 7;
+  r.connector.lookup_errors = 2;
+  s = connector_shortfall(r);
+  EXPECT_FALSE(s.failed);
+  EXPECT_NE(s.message.find("none of the 7 blocks asked about (2 lookups could not reach it)"),
+            std::string::npos)
+      << s.message;
+  r.connector.hit_blocks = 1;
+  EXPECT_TRUE(connector_shortfall(r).message.empty());
+}
+
 TEST(SimRun, EveryTokenIsComputedOnceWithoutPreemption) {
   SimOptions o = tiny_options();
   o.verify_every = 0;

@@ -99,7 +99,7 @@ void run(RunOptions& o) {
   } else {
     std::fputs(sim::format_report(report).c_str(), stdout);
   }
-  if (!report.passed()) set_exit_code(1);
+  if (!report.passed() || sim::connector_shortfall(report).failed) set_exit_code(1);
 }
 
 }  // namespace

@@ -204,7 +204,31 @@ std::string format_report(const SimReport& r) {
   }
   line("verification", v);
   for (const std::string& f : r.failure_files) line("failing case", f);
+  // Last, where a reader of the run's tail sees it.
+  const ConnectorShortfall shortfall = connector_shortfall(r);
+  if (!shortfall.message.empty()) {
+    line(shortfall.failed ? "kv FAILED" : "kv warning", shortfall.message);
+  }
   return os.str();
+}
+
+ConnectorShortfall connector_shortfall(const SimReport& r) {
+  ConnectorShortfall s;
+  if (r.kv_connector.empty()) return s;
+  const KVConnectorStats& c = r.connector;
+  if (r.role != "consumer" && c.save_scheduled > 0 && c.saved_blocks == 0) {
+    s.failed = true;
+    s.message = "none of the " + std::to_string(c.save_scheduled) + " blocks scheduled to save " +
+                "was saved (" + std::to_string(c.save_errors) + " failed, " +
+                std::to_string(c.save_dropped) + " dropped)";
+  } else if (r.role == "consumer" && c.lookup_blocks > 0 && c.hit_blocks == 0) {
+    s.message = "nothing was loaded: the store held none of the " +
+                std::to_string(c.lookup_blocks) + " blocks asked about" +
+                (c.lookup_errors > 0
+                     ? " (" + std::to_string(c.lookup_errors) + " lookups could not reach it)"
+                     : std::string(" (is it the store a prefill run wrote?)"));
+  }
+  return s;
 }
 
 std::string report_json(const SimReport& r) {

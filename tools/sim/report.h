@@ -14,4 +14,13 @@ std::string report_json(const SimReport& report);
 /// "512.0 MiB", "3.2 GiB", "812 B".
 std::string format_bytes(double bytes);
 
+/// What a run with a KV connector did not do that it was asked to: saves scheduled and none
+/// written ("failed": the run exits non-zero), or, for a decode (consumer), lookups that found
+/// nothing (a warning: the store may be missing, unreachable or empty). Empty when neither.
+struct ConnectorShortfall {
+  std::string message;
+  bool failed = false;
+};
+ConnectorShortfall connector_shortfall(const SimReport& report);
+
 }  // namespace pagedattn::sim
