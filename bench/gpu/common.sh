@@ -37,3 +37,6 @@ relocate_build() {
   find "$BUILD" \( -name CTestTestfile.cmake -o -name '*_tests.cmake' -o -name '*_include.cmake' \) \
     -exec sed -i "s|$old|$PWD|g" {} +
 }
+
+# A line on stdout and appended to the script's log ($log, set by the script before it says).
+say() { echo "$*" | tee -a "$log"; }

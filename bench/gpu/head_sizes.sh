@@ -16,7 +16,6 @@ mkdir -p "$OUT" bench/results
 card="$(gpu_card)"
 log="$OUT/head_sizes.log"
 : >"$log"
-say() { echo "$*" | tee -a "$log"; }
 ops="$BUILD/tests/backend_ops"
 fails=0
 

@@ -18,7 +18,6 @@ mkdir -p "$OUT" bench/results
 card="$(gpu_card)"
 log="$OUT/portable.log"
 : >"$log"
-say() { echo "$*" | tee -a "$log"; }
 fails=0
 check() {  # name, then the command
   local name="$1"
